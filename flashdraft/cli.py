@@ -1,0 +1,72 @@
+"""The `flashdraft` console script: one small, stable set of subcommands.
+
+Each subcommand lives in its own module, which defines `add_arguments(parser)` and
+`run(args) -> int`. The module is imported only when its command runs, so `flashdraft audit`
+does not pay for importing the training stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from flashdraft import __version__
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": (
+        "flashdraft.prepare",
+        "turn conversations/completions into a trainable Arrow dataset",
+    ),
+    "audit": ("flashdraft.audit", "check a prepared dataset for degenerate or broken samples"),
+    "generate": ("flashdraft.generate", "regenerate responses with the target (on-policy data)"),
+    "train": ("flashdraft.train", "train a drafter online against a frozen target"),
+    "eval": ("flashdraft.evaluate", "measure real acceptance (tau) with the draft-and-verify loop"),
+    "export": ("flashdraft.export", "write a checkpoint in a serving format (dflash, speculators)"),
+    "bench": ("flashdraft.bench", "time target, drafter and full step for a run config"),
+    "demo": ("flashdraft.demo", "the whole pipeline on SmolLM2-135M, end to end"),
+}
+
+# User mistakes surface as these; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"usage: flashdraft COMMAND [options]   (flashdraft {__version__})", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`flashdraft COMMAND --help` describes one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        print(__version__)
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"flashdraft: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"flashdraft {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except USER_ERRORS as err:
+        if os.environ.get("FLASHDRAFT_DEBUG"):
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"flashdraft {name}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

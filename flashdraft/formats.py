@@ -1,0 +1,224 @@
+"""Input records -> one canonical conversation form, or a reason to reject the record.
+
+Accepted record shapes (one JSON object per line):
+
+* OpenAI `messages`: `{"messages": [{"role": "system|user|assistant|tool", "content": ...,
+  "reasoning_content": ...}, ...]}`; assistant thinking either in `reasoning_content`
+  (or `reasoning`) or inline as `<think>...</think>` at the start of `content`.
+* ShareGPT `conversations`: `{"conversations": [{"from": "human|gpt|system|tool", "value": ...}]}`.
+* prompt/completion: `{"prompt": str | messages, "completion" | "response": str,
+  "reasoning": str?, "system": str?}`, e.g. a target's regenerated completions.
+
+`read_conversations` yields `(source, conversation_or_error)` for every line, so a bad line is
+counted and reported (file:line and reason), never fatal and never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashdraft.storage import iter_lines
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "ipython": "tool",
+}
+_THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+class RecordError(ValueError):
+    """A record that cannot become a training conversation; the message is the reason."""
+
+
+@dataclass(slots=True)
+class Message:
+    role: str
+    content: str
+    reasoning: str | None = None
+    # Extra fields a chat template may read (tool_calls, name, tool_call_id, ...), kept as-is.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_openai(self, *, with_reasoning: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content, **self.extra}
+        if with_reasoning and self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
+        return out
+
+
+Conversation = list[Message]
+
+
+def _text(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    # OpenAI content parts: [{"type": "text", "text": ...}, ...]
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        texts = [p.get("text") for p in value if p.get("type", "text") == "text"]
+        if len(texts) != len(value) or not all(isinstance(t, str) for t in texts):
+            raise RecordError(f"{where}: only text content parts are supported")
+        return "".join(t for t in texts if isinstance(t, str))
+    raise RecordError(f"{where}: content must be a string, got {type(value).__name__}")
+
+
+def _split_think(content: str) -> tuple[str | None, str]:
+    """Inline `<think>...</think>` at the start of an assistant turn -> (reasoning, answer)."""
+    match = _THINK.match(content)
+    if match is None:
+        return None, content
+    return match.group(1).strip("\n"), content[match.end() :]
+
+
+def _message(raw: Any, index: int) -> Message:
+    if not isinstance(raw, dict):
+        raise RecordError(f"message {index} is not an object")
+    role = raw.get("role")
+    if role not in ROLES:
+        raise RecordError(f"message {index} has unknown or missing role {role!r}")
+    content = _text(raw.get("content"), f"message {index}")
+    extra = {
+        k: v
+        for k, v in raw.items()
+        if k not in ("role", "content", "reasoning_content", "reasoning", "thinking")
+    }
+    reasoning = raw.get("reasoning_content", raw.get("reasoning", raw.get("thinking")))
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise RecordError(f"message {index}: reasoning must be a string")
+    if role == "assistant" and reasoning is None:
+        reasoning, content = _split_think(content)
+    return Message(role, content, reasoning if role == "assistant" else None, extra)
+
+
+def _sharegpt(turns: Any) -> Conversation:
+    if not isinstance(turns, list):
+        raise RecordError("'conversations' must be a list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordError(f"turn {i} is not an object")
+        speaker = turn.get("from")
+        role = SHAREGPT_ROLES.get(str(speaker).lower()) if speaker is not None else None
+        if role is None:
+            raise RecordError(f"turn {i} has unknown or missing speaker {speaker!r}")
+        messages.append(_message({"role": role, "content": turn.get("value")}, i))
+    return messages
+
+
+def _prompt_completion(record: dict[str, Any]) -> Conversation:
+    completion = record.get("completion", record.get("response"))
+    if completion is None:
+        raise RecordError("prompt record has no 'completion' or 'response'")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        messages = [Message("user", prompt)]
+    elif isinstance(prompt, list):
+        messages = [_message(m, i) for i, m in enumerate(prompt)]
+    else:
+        raise RecordError("'prompt' must be a string or a list of messages")
+    system = record.get("system")
+    if isinstance(system, str) and not (messages and messages[0].role == "system"):
+        messages.insert(0, Message("system", system))
+    answer = _message(
+        {
+            "role": "assistant",
+            "content": completion,
+            "reasoning_content": record.get("reasoning", record.get("reasoning_content")),
+        },
+        len(messages),
+    )
+    return [*messages, answer]
+
+
+def validate(messages: Conversation) -> Conversation:
+    """Structural checks every trainer needs; raises RecordError with the reason."""
+    if not messages:
+        raise RecordError("conversation is empty")
+    for i, m in enumerate(messages):
+        if m.role == "system" and i != 0:
+            raise RecordError(f"system message at position {i} (only the first may be system)")
+    body = messages[1:] if messages[0].role == "system" else messages
+    if not body or body[0].role != "user":
+        raise RecordError("conversation must start with a user turn (after an optional system)")
+    previous = "system"
+    for i, m in enumerate(body):
+        if m.role == "user" and previous == "user":
+            raise RecordError(f"two user turns in a row at turn {i} (turns must alternate)")
+        if m.role == "assistant" and previous == "assistant" and "tool_calls" not in m.extra:
+            raise RecordError(f"two assistant turns in a row at turn {i} (turns must alternate)")
+        if m.role == "tool" and previous not in ("assistant", "tool"):
+            raise RecordError(f"tool turn {i} does not follow an assistant turn")
+        empty = not m.content.strip() and not (m.reasoning or "").strip()
+        if m.role == "assistant" and empty and "tool_calls" not in m.extra:
+            raise RecordError(f"assistant turn {i} is empty")
+        previous = m.role
+    if not any(m.role == "assistant" for m in messages):
+        raise RecordError("conversation has no assistant turn to learn from")
+    return messages
+
+
+def parse_record(record: Any) -> Conversation:
+    """One JSON value -> a validated conversation (raises RecordError)."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a JSON {type(record).__name__}, not an object")
+    if "messages" in record:
+        raw = record["messages"]
+        if not isinstance(raw, list):
+            raise RecordError("'messages' must be a list")
+        messages = [_message(m, i) for i, m in enumerate(raw)]
+    elif "conversations" in record:
+        messages = _sharegpt(record["conversations"])
+    elif "prompt" in record:
+        messages = _prompt_completion(record)
+    else:
+        raise RecordError("record has none of 'messages', 'conversations' or 'prompt'")
+    return validate(messages)
+
+
+def parse_line(raw: bytes) -> Any:
+    """Raw JSONL bytes -> JSON value; RecordError for bad UTF-8 or bad JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RecordError(f"invalid UTF-8 at byte {err.start}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RecordError(f"malformed JSON: {err.msg} at column {err.colno}") from None
+
+
+def read_records(url: str) -> Iterator[tuple[str, Any]]:
+    """(source "url:line", JSON value or RecordError) for every non-blank line of a JSONL file."""
+    for number, raw in iter_lines(url):
+        if not raw.strip():
+            continue
+        source = f"{url}:{number}"
+        try:
+            yield source, parse_line(raw)
+        except RecordError as err:
+            yield source, err
+
+
+def read_conversations(url: str) -> Iterator[tuple[str, Conversation | RecordError]]:
+    for source, value in read_records(url):
+        if isinstance(value, RecordError):
+            yield source, value
+            continue
+        try:
+            yield source, parse_record(value)
+        except RecordError as err:
+            yield source, err

@@ -1,0 +1,136 @@
+"""fsspec helpers: every input and output of flashdraft is a URL (local path by default).
+
+Local paths and `s3://`, `gs://`, `memory://` ... all go through fsspec, so the same code
+reads a JSONL shard from a laptop disk or a bucket. Compression is inferred from the
+suffix (`.gz`, `.zst`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import IO, Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst")
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem holding `url` and the path inside it."""
+    fs, path = url_to_fs(url)
+    return fs, path
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def join(url: str, *parts: str) -> str:
+    if is_local(url):
+        return os.path.join(url, *parts)
+    return posixpath.join(url, *parts)
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return bool(fs.exists(path))
+
+
+def makedirs(url: str) -> None:
+    fs, path = filesystem(url)
+    fs.makedirs(path, exist_ok=True)
+
+
+def _compression(url: str) -> str | None:
+    if url.endswith(".gz"):
+        return "gzip"
+    if url.endswith(".zst"):
+        return "zstd"
+    return None
+
+
+def open_url(url: str, mode: str = "rb") -> Any:
+    """An fsspec OpenFile (use as a context manager); compression inferred from the suffix."""
+    return fsspec.open(url, mode, compression=_compression(url))
+
+
+def expand_inputs(inputs: Iterable[str], suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
+    """Files named by `inputs`: plain files, globs and directories (searched recursively).
+
+    Raises FileNotFoundError naming the input that matched nothing, so a typo is never
+    silently an empty dataset.
+    """
+    found: list[str] = []
+    for item in inputs:
+        fs, path = filesystem(item)
+        protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+        prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+        if any(ch in path for ch in "*?["):
+            matches = sorted(fs.glob(path))
+        elif fs.isdir(path):
+            matches = sorted(p for p in fs.find(path) if p.endswith(suffixes))
+        elif fs.exists(path):
+            matches = [path]
+        else:
+            raise FileNotFoundError(f"input {item!r} does not exist")
+        matches = [m for m in matches if not fs.isdir(m)]
+        if not matches:
+            raise FileNotFoundError(
+                f"input {item!r} matched no data files (looked for {', '.join(suffixes)})"
+            )
+        found.extend(prefix + m for m in matches)
+    return found
+
+
+def read_text(url: str) -> str:
+    with open_url(url, "rt") as f:
+        return str(f.read())
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_text(url))
+
+
+def write_bytes_atomic(url: str, data: bytes) -> None:
+    """Write so that readers see either the old file or the whole new one.
+
+    Local: write a temporary sibling, fsync, then rename over. Object stores: a single PUT
+    is already atomic.
+    """
+    fs, path = filesystem(url)
+    if is_local(url):
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def write_text_atomic(url: str, text: str) -> None:
+    write_bytes_atomic(url, text.encode())
+
+
+def write_json_atomic(url: str, obj: Any) -> None:
+    write_text_atomic(url, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def iter_lines(url: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes without the newline) for every line of a text file.
+
+    Bytes, not str: invalid UTF-8 is the caller's to report per line, not a crash here.
+    """
+    with open_url(url, "rb") as f:
+        stream: IO[bytes] = f
+        for number, line in enumerate(stream, start=1):
+            yield number, line.rstrip(b"\r\n")
