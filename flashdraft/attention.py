@@ -1,0 +1,138 @@
+"""DFlash block attention (SPEC section 4): one `mask_mod`, two backends, and a decode path.
+
+Shape legend:
+  R  rows in a batch (packed sequences)      T  context tokens per row (the packed row)
+  A  anchors per row                        B  block size
+  Q  query tokens per row = A * B            S  keys per row = T + Q  (context first, then blocks)
+  Hq query heads   Hkv key/value heads   D head dim
+
+A query in block j (anchor a_j) may see
+  * context key c  iff  c < a_j, doc[c] == doc[a_j], anchor j is valid, and for sliding
+    layers c >= a_j - W (the last W context positions);
+  * block key k    iff  k lies in block j (all of it for full layers; slots <= its own slot
+    for sliding layers, which are causal inside the block as both serving engines run them).
+Every query sees at least its own block's first slot, so no row of the mask is empty.
+
+CUDA uses compiled flex_attention with a sparse BlockMask built from the `mask_mod`; the CPU
+has no flex backward, so it materialises the very same `mask_mod` with `create_mask` and runs
+SDPA. `tests/test_attention.py` checks the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
+
+Backend = Literal["flex", "sdpa"]
+# (batch, head, query index, key index) -> visible; all 0-d tensors under flex's vmap.
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+# Compiled once at module scope (STYLE): compiling per call would recompile every step.
+_flex_attention = torch.compile(flex_attention, dynamic=False)
+_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+
+
+def default_backend(device: torch.device) -> Backend:
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Where the blocks of each row sit in its packed context.
+
+    anchors:      [R, A] long  packed index of each block's anchor (any index when invalid)
+    anchor_valid: [R, A] bool  False for padding anchors (fixed A keeps shapes static)
+    doc_ids:      [R, T] long  document of each context token, -1 for padding
+    """
+
+    anchors: Tensor
+    anchor_valid: Tensor
+    doc_ids: Tensor
+    block_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.anchors.shape[0])
+
+    @property
+    def context_len(self) -> int:
+        return int(self.doc_ids.shape[1])
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.anchors.shape[1]) * self.block_size
+
+
+def dflash_mask_mod(layout: BlockLayout, sliding_window: int | None = None) -> MaskMod:
+    """The SPEC section 4 visibility rule as a flex_attention `mask_mod`."""
+    anchors, valid, docs = layout.anchors, layout.anchor_valid, layout.doc_ids
+    block, ctx_len = layout.block_size, layout.context_len
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        j = q_idx // block
+        anchor = anchors[b, j]
+        is_ctx = kv_idx < ctx_len
+        c = torch.clamp(kv_idx, max=ctx_len - 1)  # keep the gather in range for block keys
+        sees_ctx = is_ctx & valid[b, j] & (c < anchor) & (docs[b, c] == docs[b, anchor])
+        k = kv_idx - ctx_len
+        sees_block = ~is_ctx & (k // block == j)
+        if sliding_window is not None:
+            sees_ctx = sees_ctx & (c >= anchor - sliding_window)
+            sees_block = sees_block & (k % block <= q_idx % block)
+        return sees_ctx | sees_block
+
+    return mask_mod
+
+
+# A mask for one attention call: a sparse BlockMask (flex) or a dense [R, 1, Q, S] bool (sdpa).
+Mask = BlockMask | Tensor
+
+
+def build_mask(layout: BlockLayout, backend: Backend, sliding_window: int | None = None) -> Mask:
+    mask_mod = dflash_mask_mod(layout, sliding_window)
+    rows, q_len = layout.num_rows, layout.num_queries
+    kv_len = layout.context_len + q_len
+    device = layout.anchors.device
+    if backend == "flex":
+        return _create_block_mask(mask_mod, rows, None, q_len, kv_len, device=device)
+    return create_mask(mask_mod, rows, None, q_len, kv_len, device=device)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, scale: float) -> Tensor:
+    """q [R, Hq, Q, D], k/v [R, Hkv, S, D] -> [R, Hq, Q, D] under `mask` (None: all visible)."""
+    if isinstance(mask, BlockMask):
+        out = _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        assert isinstance(out, Tensor)
+        return out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def decode_mask(
+    context_len: int,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> Tensor | None:
+    """Mask of one block (anchor at position `context_len`) over [context ; block] keys.
+
+    The same rule as `dflash_mask_mod` for a single anchor whose context is everything
+    before it: None (all visible) for full layers.
+    """
+    if sliding_window is None:
+        return None
+    slot = torch.arange(block_size, device=device)[:, None]
+    ctx = torch.arange(context_len, device=device)[None, :]
+    sees_ctx = (ctx >= context_len - sliding_window).expand(block_size, -1)
+    sees_block = torch.arange(block_size, device=device)[None, :] <= slot
+    return torch.cat([sees_ctx, sees_block], dim=1)[None, None]

@@ -1,0 +1,60 @@
+"""The target's frozen input embedding and output head, shared with the drafter (SPEC 2).
+
+The drafter owns neither: block tokens are embedded with the target's table and drafter
+hidden states go through the target's LM head (with the target's logit scaling / softcap, if
+it has any). Holding references here keeps them out of the drafter's state dict and optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(slots=True)
+class TargetHead:
+    embedding: nn.Module  # the target's input embedding module (may scale, e.g. Gemma)
+    weight: Tensor  # [V, H] LM-head weight, frozen
+    logit_scale: float = 1.0  # multiply logits (Cohere `logit_scale`; Granite 1/`logits_scaling`)
+    softcap: float | None = None  # final_logit_softcapping (Gemma 2/3)
+
+    @classmethod
+    def from_model(cls, model: Any) -> TargetHead:
+        """From an HF causal LM; references its modules, copies nothing."""
+        config = model.config.get_text_config()
+        head = model.get_output_embeddings()
+        scale = float(getattr(config, "logit_scale", None) or 1.0)
+        granite = getattr(config, "logits_scaling", None)
+        if granite:
+            scale /= float(granite)
+        return cls(
+            embedding=model.get_input_embeddings(),
+            weight=head.weight,
+            logit_scale=scale,
+            softcap=getattr(config, "final_logit_softcapping", None),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.weight.shape[0])
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        with torch.no_grad():
+            out = self.embedding(token_ids)
+        assert isinstance(out, Tensor)
+        return out
+
+    def transform(self, logits: Tensor) -> Tensor:
+        """Raw `h @ W^T` -> the target's logits (scale, then softcap)."""
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full logits [..., V] in fp32. Only for small inputs (decoding, tests)."""
+        return self.transform((hidden @ self.weight.to(hidden.dtype).T).float())

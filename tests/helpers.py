@@ -1,0 +1,52 @@
+"""Small deterministic builders shared by the tests (not fixtures: plain functions)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashdraft.config import DrafterConfig
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.head import TargetHead
+
+
+def tiny_config(**overrides: object) -> DrafterConfig:
+    base: dict[str, object] = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        block_size=4,
+        num_target_layers=6,
+        target_layer_ids=[1, 3],
+        mask_token_id=96,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+    )
+    base.update(overrides)
+    return DrafterConfig(**base)  # type: ignore[arg-type]
+
+
+def tiny_drafter(config: DrafterConfig | None = None, seed: int = 0) -> DFlashDrafter:
+    config = config or tiny_config()
+    drafter = DFlashDrafter(config)
+    drafter.reset_parameters(seed)
+    # Non-trivial norm weights, so a norm applied in the wrong place shows.
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return drafter
+
+
+def tiny_head(config: DrafterConfig, seed: int = 0, softcap: float | None = None) -> TargetHead:
+    gen = torch.Generator().manual_seed(seed)
+    embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=gen))
+    weight = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.2
+    return TargetHead(embedding=embedding, weight=weight, softcap=softcap)

@@ -1,0 +1,164 @@
+import pytest
+import torch
+from helpers import tiny_config, tiny_drafter, tiny_head
+
+from flashdraft.attention import BlockLayout
+from flashdraft.blocks import block_inputs
+from flashdraft.drafter import DraftCache
+
+SERVING_NAMES = {
+    "fc.weight",
+    "hidden_norm.weight",
+    "norm.weight",
+    *(
+        f"layers.{i}.{name}.weight"
+        for i in range(2)
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
+    ),
+}
+
+
+def test_parameter_names_are_the_serving_names_and_exclude_embedding_and_head() -> None:
+    drafter = tiny_drafter()
+    assert set(drafter.state_dict()) == SERVING_NAMES
+    assert drafter.fc.weight.shape == (32, 2 * 32)  # K * H -> H
+
+
+def _row(seed: int, length: int, taps: int = 2, hidden: int = 32):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(1, length, taps * hidden, generator=gen),
+        torch.randint(0, 90, (1, length), generator=gen),
+    )
+
+
+def _train_path(drafter, head, target_hidden, ids, positions, docs, anchors, valid=None):
+    config = drafter.config
+    valid = torch.ones_like(anchors, dtype=torch.bool) if valid is None else valid
+    block_ids, block_pos = block_inputs(
+        ids, positions, anchors, config.block_size, config.mask_token_id
+    )
+    masks = drafter.build_masks(BlockLayout(anchors, valid, docs, config.block_size), "sdpa")
+    out = drafter(target_hidden, head.embed(block_ids), positions, block_pos, masks)
+    return out.view(1, anchors.shape[1], config.block_size, -1)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_decode_path_equals_training_path(sliding: bool) -> None:
+    overrides = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}
+    config = tiny_config(**(overrides if sliding else {}))
+    drafter, head = tiny_drafter(config), tiny_head(config)
+    hidden, ids = _row(0, 12)
+    positions = torch.arange(12)[None]
+    docs = torch.zeros(1, 12, dtype=torch.long)
+    anchors = torch.tensor([[5, 7]])
+    train = _train_path(drafter, head, hidden, ids, positions, docs, anchors)
+
+    for block, anchor in enumerate([5, 7]):
+        cache = DraftCache()
+        # Extend in two pieces, as decoding appends the accepted tokens step by step.
+        drafter.extend_cache(cache, hidden[:, :2], positions[:, :2])
+        drafter.extend_cache(cache, hidden[:, 2:anchor], positions[:, 2:anchor])
+        block_ids = torch.full((1, config.block_size), config.mask_token_id)
+        block_ids[0, 0] = ids[0, anchor]
+        decoded = drafter.draft_block(cache, head.embed(block_ids), start=anchor)
+        torch.testing.assert_close(decoded[0], train[0, block], rtol=1e-5, atol=1e-5)
+
+
+def test_context_at_or_after_the_anchor_is_invisible() -> None:
+    """SPEC trap 2: the anchor's own hidden state does not exist yet at drafting time."""
+    drafter, head = tiny_drafter(), tiny_head(tiny_config())
+    hidden, ids = _row(1, 12)
+    positions, docs, anchors = (
+        torch.arange(12)[None],
+        torch.zeros(1, 12, dtype=torch.long),
+        torch.tensor([[6]]),
+    )
+    base = _train_path(drafter, head, hidden, ids, positions, docs, anchors)
+    later = hidden.clone()
+    later[:, 6:] += 5.0
+    torch.testing.assert_close(
+        _train_path(drafter, head, later, ids, positions, docs, anchors), base
+    )
+    before = hidden.clone()
+    before[:, 5] += 5.0
+    assert not torch.allclose(
+        _train_path(drafter, head, before, ids, positions, docs, anchors), base
+    )
+
+
+def test_blocks_do_not_see_each_other() -> None:
+    """SPEC trap 4: changing one block's anchor token leaves every other block unchanged."""
+    drafter, head = tiny_drafter(), tiny_head(tiny_config())
+    hidden, ids = _row(2, 16)
+    positions, docs = torch.arange(16)[None], torch.zeros(1, 16, dtype=torch.long)
+    anchors = torch.tensor([[3, 8, 12]])
+    base = _train_path(drafter, head, hidden, ids, positions, docs, anchors)
+    changed = ids.clone()
+    changed[0, 8] = (changed[0, 8] + 1) % 90
+    out = _train_path(drafter, head, hidden, changed, positions, docs, anchors)
+    torch.testing.assert_close(out[:, [0, 2]], base[:, [0, 2]])
+    assert not torch.allclose(out[:, 1], base[:, 1])
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_sliding_layers_are_causal_inside_the_block(sliding: bool) -> None:
+    """SPEC trap 5: with only sliding layers, slot s never depends on later slots."""
+    kind = "sliding_attention" if sliding else "full_attention"
+    config = tiny_config(layer_types=[kind, kind], sliding_window=4 if sliding else None)
+    drafter = tiny_drafter(config)
+    hidden, _ = _row(3, 10)
+    positions = torch.arange(10)[None]
+    cache = DraftCache()
+    drafter.extend_cache(cache, hidden[:, :6], positions[:, :6])
+    embeds = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(0))
+    base = drafter.draft_block(cache, embeds, 6)
+    poked = embeds.clone()
+    poked[0, 2] += 1.0
+    out = drafter.draft_block(cache, poked, 6)
+    changed = [not torch.allclose(out[0, s], base[0, s]) for s in range(4)]
+    assert changed == ([False, False, True, True] if sliding else [True, True, True, True])
+
+
+def test_rope_is_relative_over_context_and_block_keys() -> None:
+    """SPEC trap 7: shifting every position (context keys, block queries and keys) by the same
+    offset changes nothing; shifting the block alone relative to its context does."""
+    drafter, head = tiny_drafter(), tiny_head(tiny_config())
+    hidden, ids = _row(4, 12)
+    docs, anchors = torch.zeros(1, 12, dtype=torch.long), torch.tensor([[4, 9]])
+    positions = torch.arange(12)[None]
+    base = _train_path(drafter, head, hidden, ids, positions, docs, anchors)
+    shifted = _train_path(drafter, head, hidden, ids, positions + 37, docs, anchors)
+    torch.testing.assert_close(shifted, base, rtol=1e-4, atol=1e-4)
+
+    cache_a, cache_b = DraftCache(), DraftCache()
+    drafter.extend_cache(cache_a, hidden[:, :9], positions[:, :9])
+    drafter.extend_cache(cache_b, hidden[:, :9], positions[:, :9] - 1)  # context one step off
+    block_ids = torch.full((1, 4), 96)
+    block_ids[0, 0] = ids[0, 9]
+    embeds = head.embed(block_ids)
+    assert not torch.allclose(
+        drafter.draft_block(cache_a, embeds, 9), drafter.draft_block(cache_b, embeds, 9)
+    )
+
+
+def test_init_is_seeded_and_norms_start_at_one() -> None:
+    from flashdraft.drafter import init_seeded
+
+    a, b = init_seeded(tiny_config(), 5), init_seeded(tiny_config(), 5)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q)
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p))
