@@ -162,3 +162,67 @@ def test_init_is_seeded_and_norms_start_at_one() -> None:
         assert torch.equal(p, q)
         if name.endswith("norm.weight"):
             assert torch.equal(p, torch.ones_like(p))
+
+
+@pytest.mark.gpu
+def test_compiled_flex_drafter_matches_sdpa_forward_and_gradients_cuda() -> None:
+    """The CUDA training path (compiled layers, flex BlockMask, bf16 autocast) against the
+    dense SDPA path in fp32, on the same weights and a packed row."""
+    from flashdraft.blocks import label_positions, sample_anchors, slot_weights
+    from flashdraft.parallel import compile_drafter
+    from flashdraft.step import DraftBatch, batch_normaliser, draft_loss
+
+    config = tiny_config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        block_size=16,
+        vocab_size=1000,
+        mask_token_id=999,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=64,
+    )
+    gen = torch.Generator().manual_seed(0)
+    ctx = 1024
+    docs = torch.cumsum((torch.rand(ctx, generator=gen) < 0.01).long(), 0)
+    positions = torch.cat([torch.arange(int((docs == d).sum())) for d in docs.unique()])
+    loss_mask = (torch.rand(ctx, generator=gen) < 0.8).long()
+    anchors, valid = sample_anchors(loss_mask, docs, 48, gen)
+    batch = DraftBatch(
+        input_ids=torch.randint(0, 999, (1, ctx), generator=gen),
+        position_ids=positions[None],
+        doc_ids=docs[None],
+        loss_mask=loss_mask[None],
+        anchors=anchors[None],
+        anchor_valid=valid[None],
+        target_hidden=torch.randn(1, ctx, 2 * 256, generator=gen),
+        next_tokens=torch.randint(
+            0, 999, label_positions(anchors[None], 16, ctx).shape, generator=gen
+        ),
+    ).to(torch.device("cuda"))
+    head = tiny_head(config)
+    head.embedding.cuda()
+    head.weight = head.weight.cuda()
+    slot_w = slot_weights(16, 7.0).cuda()
+    norm = batch_normaliser(batch, 16, slot_w)
+
+    ref = tiny_drafter(config).cuda()
+    loss_ref, _ = draft_loss(ref, head, batch, slot_w, norm, "sdpa", 256)
+    loss_ref.backward()
+
+    fast = compile_drafter(tiny_drafter(config).cuda())
+    bf16 = DraftBatch(
+        **{
+            **{f: getattr(batch, f) for f in batch.__slots__},
+            "target_hidden": batch.target_hidden.bfloat16(),
+        }
+    )
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_fast, _ = draft_loss(fast, head, bf16, slot_w, norm, "flex", 256)
+    loss_fast.backward()
+    assert abs(float(loss_fast) - float(loss_ref)) / float(loss_ref) < 2e-2
+    for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        rel = (p_fast.grad.float() - p_ref.grad).norm() / p_ref.grad.norm().clamp(min=1e-12)
+        assert rel < 5e-2, (name, float(rel))

@@ -1,0 +1,118 @@
+"""Timing, memory and FLOP-rate helpers shared by `bench/` scripts and `flashdraft bench`.
+
+CUDA work is timed with device events around each call (after warm-up, so compilation and
+autotuning stay out), and the median is reported; peak memory comes from the caching
+allocator. MFU is always against a peak measured in the same session (`matmul_peak`), not a
+datasheet number.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class Timing:
+    median_s: float
+    p10_s: float
+    p90_s: float
+    peak_mem_gb: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "median_ms": round(self.median_s * 1e3, 3),
+            "p10_ms": round(self.p10_s * 1e3, 3),
+            "p90_ms": round(self.p90_s * 1e3, 3),
+            "peak_mem_gb": round(self.peak_mem_gb, 3),
+        }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> Timing:
+    """Median wall time of `fn` per call on `device`, and the peak memory it reached."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return Timing(statistics.median(times), q[0], q[-1], peak)
+
+
+def matmul_peak(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """Measured dense bf16 matmul rate in FLOP/s (random data, the MFU denominator)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = n if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    timing = measure(lambda: a @ b, device, warmup=3, iters=iters)
+    return 2 * n**3 / timing.median_s
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware for the benchmark record."""
+    import os
+
+    commit = os.environ.get("FLASHDRAFT_COMMIT", "")
+    try:
+        commit = commit or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    import transformers
+
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit or "unknown",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+def print_json(result: dict[str, Any]) -> None:
+    """The machine-readable last line of every benchmark."""
+    print(json.dumps(result, sort_keys=True))
