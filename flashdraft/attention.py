@@ -136,3 +136,25 @@ def decode_mask(
     sees_ctx = (ctx >= context_len - sliding_window).expand(block_size, -1)
     sees_block = torch.arange(block_size, device=device)[None, :] <= slot
     return torch.cat([sees_ctx, sees_block], dim=1)[None, None]
+
+
+def document_causal_mask_mod(doc_ids: Tensor) -> MaskMod:
+    """Causal attention within each packed document (the target's mask for a packed row).
+
+    Padding (doc -1) attends only to itself, so no row is empty and no real token sees it.
+    """
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        same_doc = (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (doc_ids[b, q_idx] >= 0)
+        return (same_doc & (kv_idx <= q_idx)) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def build_document_mask(doc_ids: Tensor, backend: Backend) -> Mask:
+    """[R, T] document ids -> the target's packed-row mask (BlockMask or dense [R, 1, T, T])."""
+    rows, length = doc_ids.shape
+    mask_mod = document_causal_mask_mod(doc_ids)
+    if backend == "flex":
+        return _create_block_mask(mask_mod, rows, None, length, length, device=doc_ids.device)
+    return create_mask(mask_mod, rows, None, length, length, device=doc_ids.device)
