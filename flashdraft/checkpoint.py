@@ -116,7 +116,7 @@ def rng_state() -> tuple[dict[str, Any], dict[str, Tensor]]:
     import numpy as np
 
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     meta = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
