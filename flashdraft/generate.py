@@ -376,9 +376,15 @@ class OutputLog:
         ours = json.dumps(settings, sort_keys=True)
         others = sorted(self.settings - {ours})
         if others:
+            theirs = json.loads(others[0])
+            diff = "; ".join(
+                f"{k} {theirs.get(k)!r} there, {settings.get(k)!r} now"
+                for k in sorted(set(theirs) | set(settings))
+                if theirs.get(k) != settings.get(k)
+            )
             raise ValueError(
-                f"{self.urls['ok']} holds records generated with other settings ({others[0]}); "
-                f"this run uses {ours}. Resume with the same settings or use a new --output"
+                f"{self.urls['ok']} holds records generated with other settings ({diff}); "
+                "resume with the same settings or write to a new --output"
             )
 
     def append(self, key: str, records: list[dict[str, Any]]) -> None:
