@@ -189,8 +189,9 @@ def shard_of(job_id: str, num_shards: int) -> int:
 
 def read_jobs(cfg: GenerateConfig, done: set[str], summary: Summary) -> Iterator[Job | BadInput]:
     """Jobs still to do, in input order, and the bad input lines (counted by the caller)."""
-    own_files = {cfg.output, rejected_url(cfg.output)}
-    urls = [u for u in storage.expand_inputs(cfg.prompts) if u not in own_files]
+    # Never read our own output back as input (an input directory may hold it).
+    own = {storage.filesystem(u)[1] for u in (cfg.output, rejected_url(cfg.output))}
+    urls = [u for u in storage.expand_inputs(cfg.prompts) if storage.filesystem(u)[1] not in own]
     seen: set[str] = set()
     for url in urls:
         for source, value in read_records(url):
@@ -667,6 +668,8 @@ def load_tokenizer(target: str, thinking: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from flashdraft.inference import load_backend, stop_token_ids
 
     cfg = config_from_args(args)
@@ -693,5 +696,12 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(summary, cfg, backend.name))
         print("generate: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except torch.OutOfMemoryError:
+        print(
+            "generate: out of memory: lower --batch-size or set --max-batch-tokens, then run "
+            "again to resume (batches run longest prompts first, so this happens early)",
+            file=sys.stderr,
+        )
+        raise
     print(format_summary(summary, cfg, backend.name))
     return 0

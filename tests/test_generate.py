@@ -150,6 +150,19 @@ def test_read_jobs_counts_bad_lines_duplicates_limit_and_shards(tmp_path: Path) 
     assert shards[0] | shards[1] == {f"p{i}#1" for i in range(6)}
 
 
+def test_the_output_is_never_read_back_as_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_jsonl(data / "in.jsonl", [{"id": "a", "prompt": "Hi"}])
+    _write_jsonl(data / "out.jsonl", [{"id": "b", "prompt": "Hi", "completion": "Hello"}])
+    _write_jsonl(data / "out.rejected.jsonl", [{"id": "c", "prompt": "Hi"}])
+    cfg = GenerateConfig(target="m", prompts=["data"], output="data/out.jsonl", progress=False)
+    assert _ids(read_jobs(cfg, set(), Summary())) == ["a#1"]
+
+
 def _ids(items: Iterable[Job | BadInput]) -> list[str]:
     return [i.id for i in items if isinstance(i, Job)]
 
