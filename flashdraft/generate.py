@@ -514,6 +514,8 @@ def run_generation(
     settings = cfg.settings(backend.stop_ids)
     log = log if log is not None else OutputLog(cfg.output)
     log.check_settings(settings)
+    if log.done:
+        print(f"generate: resuming, {len(log.done)} ids already done", file=sys.stderr)
     if log.dropped_bytes:
         print(f"generate: dropped a partial last line ({log.dropped_bytes} B)", file=sys.stderr)
     if log.unreadable_lines:
