@@ -1,0 +1,184 @@
+"""Generated tokens/s of `flashdraft generate` (on-policy data) on real chat prompts.
+
+    python bench/generate.py                  # CUDA: SmolLM2-135M bf16, 512 chitchat prompts
+    python bench/generate.py --smoke          # CPU: 8 short prompts, 16 new tokens
+
+Prompts are chitchat conversations whose last assistant turn is regenerated (the real
+`generate` path: records -> chat template -> sorted, left-padded batches -> append-only
+output). Prints a table, then one JSON line. The clock covers the generation loop only
+(model loading and a short warm-up are excluded), as `generate`'s own summary does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.assets import chitchat_conversations, smollm2_path
+from flashdraft.generate import GenerateConfig, load_tokenizer, run_generation
+from flashdraft.inference import (
+    Sampling,
+    load_backend,
+    resolve_device,
+    resolve_dtype,
+    stop_token_ids,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU-sized run")
+    parser.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--prompts", type=int, default=None, help="default 512 (smoke: 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (smoke 16)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default 128 (smoke: 4)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None)
+    parser.add_argument(
+        "--short-prompts",
+        action="store_true",
+        help="first user turn only, instead of the whole conversation (the smoke default)",
+    )
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def chat_records(count: int, short: bool) -> list[dict[str, Any]]:
+    records = chitchat_conversations(limit=count, seed=0)
+    if short:
+        records = [{**r, "messages": r["messages"][:1]} for r in records]
+    return records
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def peak_memory_gib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    # ru_maxrss is KiB on Linux: the whole process (model, tokenizer, Python).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main() -> int:
+    args = parse_args()
+    device = resolve_device(args.device)
+    smoke = args.smoke
+    count = args.prompts or (8 if smoke else 512)
+    max_new_tokens = args.max_new_tokens or (16 if smoke else 256)
+    batch_size = args.batch_size or (4 if smoke else 128)
+    target = args.target or str(smollm2_path())
+    dtype = resolve_dtype(args.dtype, device)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    records = chat_records(count, short=smoke or args.short_prompts)
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    sampling = Sampling(max_new_tokens=max_new_tokens)
+    tokenizer = load_tokenizer(target, thinking=False)
+    stop_ids = stop_token_ids(target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    backend = load_backend(
+        args.backend, target, sampling, stop_ids, pad, device=device, dtype=dtype
+    )
+
+    def config(output: Path, limit: int | None) -> GenerateConfig:
+        return GenerateConfig(
+            target=target,
+            prompts=[str(prompts)],
+            output=str(output),
+            sampling=sampling,
+            backend=args.backend,
+            batch_size=batch_size,
+            max_batch_tokens=args.max_batch_tokens,
+            limit=limit,
+            seed=args.seed,
+            device=device,
+            dtype=dtype,
+            progress=False,
+        )
+
+    # Warm-up (CUDA context, kernel selection) on two prompts, into a throw-away output.
+    run_generation(config(work / "warmup.jsonl", 2), backend, tokenizer)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    summary = run_generation(config(work / "out.jsonl", None), backend, tokenizer)
+
+    model = getattr(backend, "model", None)
+    # Decode FLOPs per generated token ≈ 2 × parameters (one multiply-add per weight; the
+    # embedding lookup and attention over the context are left out), a lower bound.
+    params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    tflops = 2 * params * summary.tokens_per_s / 1e12
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"{platform.machine()}, {torch.get_num_threads()} threads"
+    done = summary.written + sum(summary.rejected.values())
+    result = {
+        "bench": "generate",
+        "target": Path(target).name,
+        "backend": backend.name,
+        "device": f"{device} ({name})",
+        "dtype": dtype,
+        "prompts": count,
+        "prompt_tokens_mean": round(summary.prompt_tokens / max(1, done), 1),
+        "batch_size": batch_size,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_new_tokens": max_new_tokens,
+        "written": summary.written,
+        "rejected": dict(summary.rejected),
+        "generated_tokens": summary.generated_tokens,
+        "seconds": round(summary.seconds, 2),
+        "tokens_per_s": round(summary.tokens_per_s, 1),
+        "model_tflops": round(tflops, 3),
+        "peak_memory_gib": round(peak_memory_gib(device), 2),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "commit": _commit(),
+    }
+    rows = [
+        ("target", f"{result['target']} ({dtype}, {backend.name})"),
+        ("device", result["device"]),
+        ("prompts (generated; mean tokens)", f"{count} ({done}; {result['prompt_tokens_mean']})"),
+        ("batch size / token budget", f"{batch_size} / {args.max_batch_tokens or '-'}"),
+        ("max new tokens", max_new_tokens),
+        ("written / rejected", f"{summary.written} / {dict(summary.rejected) or 0}"),
+        ("generated tokens", summary.generated_tokens),
+        ("wall time (s)", f"{summary.seconds:.2f}"),
+        ("generated tokens/s", f"{summary.tokens_per_s:,.1f}"),
+        ("model TFLOP/s (2·params/token)", f"{tflops:.3f}"),
+        ("peak memory (GiB)", f"{result['peak_memory_gib']:.2f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
