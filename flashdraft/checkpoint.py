@@ -139,3 +139,96 @@ def set_rng_state(meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
+
+
+def save_checkpoint(
+    run: str,
+    step: int,
+    drafter: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int,
+    is_main: bool,
+) -> str | None:
+    """Write a complete resumable checkpoint; every rank must call (state gathering may need
+    collectives under FSDP), rank 0 writes. Returns the checkpoint URL on rank 0.
+
+    Written into `step_N/`, with `COMPLETE` last: a crash mid-write leaves a directory that
+    `latest_checkpoint` ignores, never one that looks valid.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # The DCP helpers return loosely typed nested dicts; we only store tensors and JSON.
+    model_sd: dict[str, Tensor] = dict(get_model_state_dict(drafter, options=options))  # type: ignore[arg-type]
+    optim_sd: Any = get_optimizer_state_dict(drafter, optimizer, options=options)
+    if not is_main:
+        return None
+    url = step_dir(run, step)
+    if storage.exists(url):  # a stale, incomplete attempt at this step
+        fs, path = storage.filesystem(url)
+        fs.rm(path, recursive=True)
+    storage.makedirs(url)
+    save_tensors(storage.join(url, "drafter.safetensors"), model_sd)
+    config = getattr(drafter, "config", None)
+    assert isinstance(config, DrafterConfig)
+    storage.write_json_atomic(storage.join(url, "drafter_config.json"), config.to_dict())
+    tensors = {
+        f"{name}/{key}": value
+        for name, entry in optim_sd["state"].items()
+        for key, value in entry.items()
+        if isinstance(value, Tensor)
+    }
+    save_tensors(storage.join(url, "optimizer.safetensors"), tensors)
+    rng_meta, rng_tensors = rng_state()
+    save_tensors(storage.join(url, "rng.safetensors"), rng_tensors)
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}
+        for group in optim_sd["param_groups"]
+    ]
+    full_state = {**state, "step": step, "rng": rng_meta, "optimizer_param_groups": groups}
+    storage.write_json_atomic(storage.join(url, "state.json"), full_state)
+    storage.write_text_atomic(storage.join(url, COMPLETE), f"{step}\n")
+    for _, old in complete_checkpoints(run)[: -max(keep, 1)]:
+        fs, path = storage.filesystem(old)
+        fs.rm(path, recursive=True)
+    return url
+
+
+def load_checkpoint(
+    url: str, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Restore drafter, optimizer and RNG from a complete checkpoint (every rank reads it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if not storage.exists(storage.join(url, COMPLETE)):
+        raise ValueError(f"{url} is not a complete checkpoint (no {COMPLETE} marker)")
+    state = dict(storage.read_json(storage.join(url, "state.json")))
+    options = StateDictOptions(full_state_dict=True)
+    weights: Any = load_tensors(storage.join(url, "drafter.safetensors"))
+    set_model_state_dict(drafter, weights, options=options)
+    flat = load_tensors(storage.join(url, "optimizer.safetensors"))
+    per_param: Any = {}
+    for key, value in flat.items():
+        name, _, field_name = key.rpartition("/")
+        per_param.setdefault(name, {})[field_name] = value
+    groups = [
+        {k: (tuple(v) if k == "betas" else v) for k, v in group.items()}
+        for group in state.pop("optimizer_param_groups")
+    ]
+    set_optimizer_state_dict(
+        drafter,
+        optimizer,
+        {"state": per_param, "param_groups": groups},
+        options=options,
+    )
+    set_rng_state(state.pop("rng"), load_tensors(storage.join(url, "rng.safetensors")))
+    return state

@@ -220,3 +220,231 @@ def choose_mask_token_id(hf_config: Any, tokenizer: Any) -> tuple[int, str]:
         )
     tid, tok = candidates[0]
     return int(tid), f"reserved special token {tok!r} (the vocabulary fills the table)"
+
+
+# ---- the run config of `flashdraft train` (TOML file + dotted --set overrides) ----
+
+
+@dataclass(kw_only=True, slots=True)
+class TargetSection:
+    path: str  # a local HF model directory
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    # None: flex_attention on CUDA (packed rows at flash speed), sdpa on CPU.
+    attn_implementation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"target.dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    datasets: list[str]  # directories written by `flashdraft prepare` (any fsspec URL)
+    row_tokens: int = 8192  # token budget of one packed row
+    # Documents longer than a row: "split" into row-sized pieces (positions continue),
+    # "truncate" to the first row_tokens, or "drop". Counted either way.
+    overlong: str = "split"
+    shuffle: bool = True
+    prefetch: int = 4  # rows built ahead by the loader thread
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ValueError("data.datasets is empty: name at least one prepared dataset")
+        if self.overlong not in ("split", "truncate", "drop"):
+            raise ValueError(f"data.overlong {self.overlong!r}: use split, truncate or drop")
+        if self.row_tokens < 16:
+            raise ValueError(f"data.row_tokens {self.row_tokens} is too small")
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterSection:
+    num_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None: the SPEC default rule
+    mask_token_id: int | None = None  # None: chosen from the tokenizer (choose_mask_token_id)
+    sliding_window: int | None = None
+    sliding_layers: list[int] = field(default_factory=list)
+    intermediate_size: int | None = None  # None: the target's
+    init_from: str | None = None  # warm start from a serving-format drafter (e.g. z-lab's)
+    init_seed: int | None = None  # None: the run seed
+
+
+@dataclass(kw_only=True, slots=True)
+class LossSection:
+    anchors: int = 512  # A, anchors per packed row
+    gamma: float | None = None  # None: 7 for B = 16 (DFlash paper), scaled by B / 16
+    labels: str = "target"  # "target": the target's argmax (distillation); "data": data tokens
+    chunk_rows: int = 2048  # rows per LM-head chunk
+
+    def __post_init__(self) -> None:
+        if self.labels not in ("target", "data"):
+            raise ValueError(f"loss.labels {self.labels!r}: use target or data")
+        if self.anchors < 1:
+            raise ValueError("loss.anchors must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimSection:
+    lr: float = 6e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    decay_ratio: float = 0.2  # wsd: share of steps spent decaying
+    grad_clip: float = 1.0
+    grad_accum: int = 1  # packed rows per rank per optimizer step
+    epochs: int = 1
+    max_steps: int | None = None  # stop early (None: all epochs)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("cosine", "wsd", "constant"):
+            raise ValueError(f"optim.schedule {self.schedule!r}: use cosine, wsd or constant")
+        if self.grad_accum < 1 or self.epochs < 1:
+            raise ValueError("optim.grad_accum and optim.epochs must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSection:
+    every: int = 500  # steps between resumable checkpoints (0: only at the end)
+    keep: int = 3  # complete checkpoints kept (older ones are deleted)
+
+
+@dataclass(kw_only=True, slots=True)
+class LogSection:
+    every: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "flashdraft"
+    progress: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalSection:
+    every: int = 0  # steps between in-training evals with the real decode loop (0: off)
+    prompts: str | None = None  # held-out prompts (JSONL: messages or prompt)
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelSection:
+    placement: str = "colocated"  # colocated | split
+    target_ranks: int = 0  # split: how many ranks run only the target
+    drafter_sharding: str = "ddp"  # ddp | fsdp
+    shard_target: bool = False  # colocated: shard the target across ranks with FSDP2
+    overlap: bool = True  # build the next rows ahead of the current step
+    queue_depth: int = 2  # split: batches in flight between target and drafter ranks
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("colocated", "split"):
+            raise ValueError(f"parallel.placement {self.placement!r}: use colocated or split")
+        if self.drafter_sharding not in ("ddp", "fsdp"):
+            raise ValueError(f"parallel.drafter_sharding {self.drafter_sharding!r}: ddp or fsdp")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    output: str  # run directory (any fsspec URL)
+    target: TargetSection
+    data: DataSection
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = True  # compile the drafter layers (CUDA only)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Nested dataclass from a dict, with errors naming the bad key and the valid ones."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'} must be a table, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(f'{where}{k}' for k in unknown)}; "
+            f"valid keys{' under ' + where.rstrip('.') if where else ''}: {', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        field_type = known[name].type
+        section = _SECTIONS.get(field_type if isinstance(field_type, str) else field_type.__name__)
+        kwargs[name] = _build(section, value, f"{where}{name}.") if section else value
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a missing required key
+        raise ValueError(f"{where.rstrip('.') or 'config'}: {err}") from None
+
+
+_SECTIONS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        TargetSection,
+        DataSection,
+        DrafterSection,
+        LossSection,
+        OptimSection,
+        CheckpointSection,
+        LogSection,
+        EvalSection,
+        ParallelSection,
+    )
+}
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`a.b=c` overrides onto a nested dict (a new dict; the input is not modified)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected dotted.key=value")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part} is not a table")
+        node[leaf] = _parse_value(value.strip())
+    return out
+
+
+def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from a TOML (or JSON) file plus dotted overrides."""
+    import json
+    import tomllib
+
+    from flashdraft import storage
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = storage.read_text(path)
+        try:
+            data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: {err}") from None
+    data = apply_overrides(data, overrides or [])
+    config: RunConfig = _build(RunConfig, data, "")
+    return config

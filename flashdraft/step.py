@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from flashdraft.attention import Backend, BlockLayout
 from flashdraft.blocks import block_inputs, block_labels
@@ -48,9 +48,17 @@ def labels_and_mask(batch: DraftBatch, block_size: int) -> tuple[Tensor, Tensor]
 
 
 def draft_hidden(
-    drafter: DFlashDrafter, head: TargetHead, batch: DraftBatch, backend: Backend
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    batch: DraftBatch,
+    backend: Backend,
+    forward: nn.Module | None = None,
 ) -> Tensor:
-    """Final-normed drafter states of every block slot, [R, A*B, H]."""
+    """Final-normed drafter states of every block slot, [R, A*B, H].
+
+    `forward` is what to call (a DDP wrapper, say); `drafter` is the plain module its
+    config and masks come from. They are the same object on one device.
+    """
     config = drafter.config
     ids, positions = block_inputs(
         batch.input_ids, batch.position_ids, batch.anchors, config.block_size, config.mask_token_id
@@ -58,7 +66,10 @@ def draft_hidden(
     layout = BlockLayout(batch.anchors, batch.anchor_valid, batch.doc_ids, config.block_size)
     masks = drafter.build_masks(layout, backend)
     embeds = head.embed(ids).to(batch.target_hidden.dtype)
-    return drafter(batch.target_hidden, embeds, batch.position_ids, positions, masks)
+    model = drafter if forward is None else forward
+    out = model(batch.target_hidden, embeds, batch.position_ids, positions, masks)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def batch_normaliser(batch: DraftBatch, block_size: int, slot_w: Tensor) -> Tensor:
@@ -75,8 +86,9 @@ def draft_loss(
     normaliser: Tensor,
     backend: Backend,
     chunk_rows: int,
+    forward: nn.Module | None = None,
 ) -> tuple[Tensor, BlockStats]:
     """This micro-batch's share of the global loss (see `flashdraft.loss`) and its stats."""
     labels, mask = labels_and_mask(batch, drafter.config.block_size)
-    hidden = draft_hidden(drafter, head, batch, backend)
+    hidden = draft_hidden(drafter, head, batch, backend, forward)
     return block_loss(hidden, labels, mask, head, slot_w, normaliser, chunk_rows)

@@ -1,0 +1,481 @@
+"""`flashdraft train`: a DFlash drafter trained online against a frozen target.
+
+Per optimizer step, on every rank: G packed rows, each through the target (taps + argmax
+labels at the anchor blocks only) and then through the drafter forward and backward; after
+G rows: clip, AdamW (fp32 master weights, bf16 compute on CUDA), LR schedule. The loss
+normaliser of the step, the global trained-slot weight (SPEC trap 10), is known from the CPU
+rows before any forward and is all-reduced once per step.
+
+    flashdraft train --config run.toml [--set optim.lr=3e-4 ...] [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flashdraft import storage
+from flashdraft.attention import default_backend
+from flashdraft.blocks import data_next_tokens, slot_weights
+from flashdraft.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flashdraft.config import (
+    DrafterConfig,
+    OptimSection,
+    RunConfig,
+    choose_mask_token_id,
+    load_run_config,
+)
+from flashdraft.drafter import DFlashDrafter, init_seeded, param_count
+from flashdraft.export import load_dflash, save_dflash, verify_export
+from flashdraft.loss import BlockStats
+from flashdraft.metrics import MetricsLogger
+from flashdraft.packing import Row, RowStream
+from flashdraft.parallel import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    compile_drafter,
+    init_distributed,
+    shutdown,
+    wrap_drafter,
+)
+from flashdraft.step import DraftBatch, draft_loss
+from flashdraft.target import Target, load_target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="run config (TOML or JSON)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the run's latest complete checkpoint"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_run_config(args.config, args.set)
+    train(config, resume=args.resume)
+    return 0
+
+
+def lr_at(step: int, total: int, optim: OptimSection) -> float:
+    """Warmup, then cosine to min_lr_ratio, warmup-stable-decay (linear), or constant."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    floor = optim.min_lr_ratio
+    if optim.schedule == "constant":
+        return optim.lr
+    if optim.schedule == "cosine":
+        progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
+        return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    decay_start = total - int(optim.decay_ratio * total)
+    if step < decay_start:
+        return optim.lr
+    progress = (step - decay_start) / max(1, total - decay_start)
+    return optim.lr * (1 - (1 - floor) * min(progress, 1.0))
+
+
+class Stopwatch:
+    """Phase times without host syncs in the step: CUDA events, read only when logging."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list[Any]] = {}
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, name: str, start: Any, end: Any) -> None:
+        self.spans.setdefault(name, []).append((start, end))
+
+    def seconds(self, name: str) -> float:
+        """Total seconds of a phase since the last call (syncs on CUDA)."""
+        spans = self.spans.pop(name, [])
+        if self.cuda:
+            if spans:
+                spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return float(sum(b - a for a, b in spans))
+
+
+@dataclass(slots=True)
+class Interval:
+    """What accumulates between two log lines (device tensors: no sync in the step)."""
+
+    stats: BlockStats | None = None
+    steps: int = 0
+    tokens: int = 0
+    rows: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _resolved_dtype(config: RunConfig, device: torch.device) -> str:
+    if config.target.dtype != "auto":
+        return config.target.dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def build_drafter_config(config: RunConfig, target_model: Any) -> tuple[DrafterConfig, str]:
+    """Drafter geometry from the target and the run config; returns (config, mask note)."""
+    section = config.drafter
+    if section.mask_token_id is not None:
+        mask_id, why = section.mask_token_id, "set in the run config"
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.target.path)
+        mask_id, why = choose_mask_token_id(target_model.config, tokenizer)
+    drafter_config = DrafterConfig.from_target_config(
+        target_model.config,
+        mask_token_id=mask_id,
+        num_layers=section.num_layers,
+        block_size=section.block_size,
+        target_layer_ids=section.target_layer_ids,
+        sliding_window=section.sliding_window,
+        sliding_layers=section.sliding_layers,
+        intermediate_size=section.intermediate_size,
+    )
+    return drafter_config, why
+
+
+def load_drafter_init(config: RunConfig, drafter_config: DrafterConfig) -> DFlashDrafter:
+    seed = config.seed if config.drafter.init_seed is None else config.drafter.init_seed
+    if config.drafter.init_from is None:
+        return init_seeded(drafter_config, seed)
+    warm = load_dflash(config.drafter.init_from, dtype=torch.float32)
+    if warm.config.target_layer_ids != drafter_config.target_layer_ids or (
+        warm.config.hidden_size != drafter_config.hidden_size
+    ):
+        raise ValueError(
+            f"drafter.init_from {config.drafter.init_from}: its taps "
+            f"{warm.config.target_layer_ids} / hidden {warm.config.hidden_size} do not match "
+            f"this target ({drafter_config.target_layer_ids} / {drafter_config.hidden_size})"
+        )
+    return warm
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, info: DistInfo, resume: bool) -> None:
+        self.config, self.info = config, info
+        self.device = info.device
+        self.backend = default_backend(self.device)
+        self.run_dir = config.output
+        self._check_output(resume)
+
+        dtype = _resolved_dtype(config, self.device)
+        attn = config.target.attn_implementation or (
+            "flex_attention" if self.device.type == "cuda" else "sdpa"
+        )
+        target_model = load_target(config.target.path, dtype, attn, self.device)
+        self.drafter_config, mask_note = build_drafter_config(config, target_model)
+        self.target = Target(target_model, self.drafter_config.target_layer_ids, self.backend)
+        self.target.verify_taps()
+        self.head = self.target.head
+        self.block = self.drafter_config.block_size
+        gamma = config.loss.gamma if config.loss.gamma is not None else 7.0 * self.block / 16
+        self.slot_w = slot_weights(self.block, gamma).to(self.device)
+        self.slot_w_cpu = self.slot_w.cpu().double()
+
+        from flashdraft.dataset import open_datasets
+
+        self.dataset = open_datasets(config.data.datasets)
+        self.stream = RowStream(
+            self.dataset.num_tokens,
+            self.dataset.sample,
+            row_tokens=config.data.row_tokens,
+            num_anchors=config.loss.anchors,
+            block_size=self.block,
+            seed=config.seed,
+            epochs=config.optim.epochs,
+            overlong=config.data.overlong,
+            shuffle=config.data.shuffle,
+            pad_id=int(getattr(target_model.config, "pad_token_id", None) or 0),
+        )
+        self.rows_per_step = info.world * config.optim.grad_accum
+        total_rows = self.stream.total_rows()
+        self.total_steps = total_rows // self.rows_per_step
+        if config.optim.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.optim.max_steps)
+        if self.total_steps < 1:
+            raise ValueError(
+                f"the data makes {total_rows} packed rows of {config.data.row_tokens} tokens, "
+                f"fewer than one step needs ({info.world} ranks x grad_accum "
+                f"{config.optim.grad_accum}); lower data.row_tokens or add data"
+            )
+
+        self.drafter = load_drafter_init(config, self.drafter_config).to(self.device)
+        if config.compile and self.device.type == "cuda":
+            compile_drafter(self.drafter)
+        self.model = wrap_drafter(self.drafter, info, config.parallel.drafter_sharding)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(),
+            lr=optim.lr,
+            betas=(optim.betas[0], optim.betas[1]),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.step, self.cursor = 0, 0
+        resume_from = latest_checkpoint(self.run_dir) if resume else None
+        if resume_from is not None:
+            state = load_checkpoint(resume_from, self.drafter, self.optimizer)
+            self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.logger = (
+            MetricsLogger(
+                self.run_dir,
+                resume_step=self.step if resume_from else None,
+                tensorboard=config.log.tensorboard,
+                wandb_project=config.log.wandb_project if config.log.wandb else None,
+                config=config.to_dict(),
+            )
+            if info.is_main
+            else None
+        )
+        self.stopwatch = Stopwatch(self.device)
+        if info.is_main:
+            self._announce(mask_note, resume_from, total_rows)
+
+    def _check_output(self, resume: bool) -> None:
+        existing = latest_checkpoint(self.run_dir)
+        if existing is not None and not resume:
+            raise FileExistsError(
+                f"{self.run_dir} already holds checkpoints (latest {existing}); pass --resume "
+                "to continue that run or choose a new output"
+            )
+        if self.info.is_main:
+            storage.makedirs(self.run_dir)
+            storage.write_json_atomic(
+                storage.join(self.run_dir, "config.json"), self.config.to_dict()
+            )
+        barrier(self.info)
+
+    def _announce(self, mask_note: str, resume_from: str | None, total_rows: int) -> None:
+        c = self.drafter_config
+        print(
+            f"flashdraft train: target {self.config.target.path} "
+            f"({self.target.num_layers} layers), taps {c.target_layer_ids}, "
+            f"mask token {c.mask_token_id} ({mask_note})\n"
+            f"  drafter {c.num_hidden_layers} layers x {c.hidden_size}, "
+            f"{param_count(self.drafter) / 1e6:.1f}M params, B={c.block_size}, "
+            f"A={self.config.loss.anchors}; {len(self.dataset)} samples -> {total_rows} rows of "
+            f"{self.config.data.row_tokens} tokens over {self.config.optim.epochs} epoch(s); "
+            f"{self.total_steps} steps of {self.rows_per_step} rows on {self.info.world} rank(s)"
+            + (f"\n  resuming from {resume_from} at step {self.step}" if resume_from else ""),
+            flush=True,
+        )
+
+    # ---- the step ----
+
+    def _positions(self) -> Any:
+        """Stream positions of this rank's rows, step after step, from the cursor."""
+        g = self.config.optim.grad_accum
+        base = self.cursor
+        for _ in range(self.step, self.total_steps):
+            for m in range(g):
+                yield base + self.info.rank * g + m
+            base += self.rows_per_step
+
+    def _batch(self, row: Row) -> DraftBatch:
+        dev = self.device
+        non_blocking = dev.type == "cuda"
+
+        def put(t: Tensor) -> Tensor:
+            return (t.pin_memory() if non_blocking else t).to(dev, non_blocking=non_blocking)[None]
+
+        ids, positions, docs = put(row.input_ids), put(row.position_ids), put(row.doc_ids)
+        anchors = put(row.anchors)
+        use_target_labels = self.config.loss.labels == "target"
+        label_pos = put(row.label_positions) if use_target_labels else None
+        features, next_tokens = self.target.forward_packed(
+            ids, positions, docs, label_pos, self.config.loss.chunk_rows
+        )
+        if next_tokens is None:
+            next_tokens = data_next_tokens(ids, anchors, self.block)
+        return DraftBatch(
+            input_ids=ids,
+            position_ids=positions,
+            doc_ids=docs,
+            loss_mask=put(row.loss_mask),
+            anchors=anchors,
+            anchor_valid=put(row.anchor_valid),
+            target_hidden=features,
+            next_tokens=next_tokens,
+        )
+
+    def train_step(self, rows: list[Row], interval: Interval) -> Tensor:
+        # The global loss normaliser: known from the CPU rows, one all-reduce per step.
+        local = sum(float((r.normaliser_mask.double() * self.slot_w_cpu).sum()) for r in rows)
+        normaliser = all_reduce_sum(
+            torch.tensor(local, dtype=torch.float64, device=self.device), self.info
+        ).float()
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        for m, row in enumerate(rows):
+            t0 = self.stopwatch.mark()
+            batch = self._batch(row)
+            t1 = self.stopwatch.mark()
+            last = m == len(rows) - 1
+            no_sync = getattr(self.model, "no_sync", None)  # DDP: reduce on the last row only
+            sync_grads = nullcontext() if last or no_sync is None else no_sync()
+            with sync_grads:
+                with autocast:
+                    loss, stats = draft_loss(
+                        self.drafter,
+                        self.head,
+                        batch,
+                        self.slot_w,
+                        normaliser,
+                        self.backend,
+                        self.config.loss.chunk_rows,
+                        forward=self.model,
+                    )
+                # Data parallel wrappers average gradients over ranks; the loss is already
+                # this rank's share of the global sum, so undo the average.
+                (loss * self.info.world).backward()
+            t2 = self.stopwatch.mark()
+            self.stopwatch.add("target", t0, t1)
+            self.stopwatch.add("drafter", t1, t2)
+            interval.stats = stats if interval.stats is None else interval.stats.add(stats)
+            interval.tokens += row.tokens
+            interval.rows += 1
+        grad_norm = nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+        lr = lr_at(self.step, self.total_steps, self.config.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        interval.steps += 1
+        return grad_norm
+
+    def _log(self, interval: Interval, grad_norm: Tensor, progress: Any) -> dict[str, Any]:
+        assert interval.stats is not None
+        extra = torch.tensor(
+            [interval.tokens, interval.rows], dtype=torch.float64, device=self.device
+        )
+        flat = all_reduce_sum(torch.cat([interval.stats.flat(), extra]), self.info)  # host sync
+        summary = BlockStats.from_flat(flat[:-2], self.block).summary()
+        tokens, rows = int(flat[-2]), int(flat[-1])
+        wall = time.perf_counter() - interval.started
+        epoch, _ = self.stream.locate(min(self.cursor, self.stream.total_rows() - 1))
+        record = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": round(summary["loss"], 5),
+            "tau_hat": round(summary["tau_hat"], 4),
+            "acc": summary["acc"],
+            "lr": lr_at(self.step - 1, self.total_steps, self.config.optim),
+            "grad_norm": round(float(grad_norm), 4),
+            "tokens_per_s": round(tokens / wall, 1),
+            "target_s": round(self.stopwatch.seconds("target") / interval.steps, 4),
+            "drafter_s": round(self.stopwatch.seconds("drafter") / interval.steps, 4),
+            "step_s": round(wall / interval.steps, 4),
+            "rows": rows,
+            "tokens": tokens,
+            "trained_slots": summary["trained_tokens"],
+            "blocks": summary["blocks"],
+        }
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping")
+        if self.logger is not None:
+            self.logger.log(record)
+        if progress is not None:
+            progress.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                tau=f"{record['tau_hat']:.2f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
+        return record
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.drafter,
+            self.optimizer,
+            {"cursor": self.cursor, "total_steps": self.total_steps, "world": self.info.world},
+            keep=self.config.checkpoint.keep,
+            is_main=self.info.is_main,
+        )
+        if self.logger is not None:
+            self.logger.sync()
+        barrier(self.info)
+
+    def fit(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        config = self.config
+        progress = (
+            tqdm(
+                total=self.total_steps,
+                initial=self.step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+            )
+            if self.info.is_main and config.log.progress
+            else None
+        )
+        rows = self.stream.iterate(
+            self._positions(), config.data.prefetch if config.parallel.overlap else 0
+        )
+        interval, last_record = Interval(), {}
+        g = config.optim.grad_accum
+        while self.step < self.total_steps:
+            step_rows = [next(rows) for _ in range(g)]
+            grad_norm = self.train_step(step_rows, interval)
+            self.step += 1
+            self.cursor += self.rows_per_step
+            if progress is not None:
+                progress.update(1)
+            checkpoint_now = (
+                config.checkpoint.every > 0 and self.step % config.checkpoint.every == 0
+            )
+            finished = self.step == self.total_steps
+            # Log at every checkpoint too, so a resumed run logs exactly the same intervals.
+            if self.step % config.log.every == 0 or checkpoint_now or finished:
+                last_record = self._log(interval, grad_norm, progress)
+                interval = Interval()
+            if checkpoint_now or finished:
+                self._checkpoint()
+        if progress is not None:
+            progress.close()
+        if self.info.is_main:
+            export = storage.join(self.run_dir, "export")
+            save_dflash(self.drafter, export)
+            verify_export(self.drafter, export)
+            print(f"flashdraft train: done; serving-format drafter in {export}", flush=True)
+        if self.logger is not None:
+            self.logger.close()
+        barrier(self.info)
+        return last_record
+
+
+def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) a training run; returns the last logged metrics record."""
+    info = init_distributed(config.device)
+    try:
+        torch.manual_seed(config.seed + info.rank)
+        trainer = Trainer(config, info, resume)
+        record = trainer.fit()
+    finally:
+        shutdown(info)
+    if info.is_main:
+        print(json.dumps({"final": record}), flush=True)
+    return record
