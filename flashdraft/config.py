@@ -352,6 +352,7 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True  # compile the drafter layers (CUDA only)
+    preflight: bool = True  # refuse runs whose memory estimate exceeds the free GPU memory
     drafter: DrafterSection = field(default_factory=DrafterSection)
     loss: LossSection = field(default_factory=LossSection)
     optim: OptimSection = field(default_factory=OptimSection)

@@ -74,7 +74,8 @@ def plan_epoch(
             pieces.extend(
                 Piece(sample, s, min(row_tokens, length - s)) for s in range(0, length, row_tokens)
             )
-    # The window is kept sorted by (length, arrival) so the best fit is one bisect away.
+    # The window is kept sorted by (length, -arrival) so the best fit (longest piece that
+    # fits, earliest among equals) is one bisect away.
     window: list[tuple[int, int, Piece]] = []
     source = iter(enumerate(pieces))
     row: list[Piece] = []
@@ -84,10 +85,10 @@ def plan_epoch(
             nxt = next(source, None)
             if nxt is None:
                 break
-            bisect.insort(window, (nxt[1].length, nxt[0], nxt[1]))
+            bisect.insort(window, (nxt[1].length, -nxt[0], nxt[1]))
         if not window:
             break
-        best = bisect.bisect_right(window, (free, len(pieces))) - 1
+        best = bisect.bisect_right(window, (free, 1)) - 1
         if best < 0:  # nothing fits: close the row
             plan.rows.append(row)
             row, free = [], row_tokens

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flashdraft import storage
+from flashdraft import preflight, storage
 from flashdraft.attention import default_backend
 from flashdraft.blocks import data_next_tokens, slot_weights
 from flashdraft.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -132,7 +132,7 @@ def _resolved_dtype(config: RunConfig, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def build_drafter_config(config: RunConfig, target_model: Any) -> tuple[DrafterConfig, str]:
+def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[DrafterConfig, str]:
     """Drafter geometry from the target and the run config; returns (config, mask note)."""
     section = config.drafter
     if section.mask_token_id is not None:
@@ -141,9 +141,9 @@ def build_drafter_config(config: RunConfig, target_model: Any) -> tuple[DrafterC
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.target.path)
-        mask_id, why = choose_mask_token_id(target_model.config, tokenizer)
+        mask_id, why = choose_mask_token_id(target_config, tokenizer)
     drafter_config = DrafterConfig.from_target_config(
-        target_model.config,
+        target_config,
         mask_token_id=mask_id,
         num_layers=section.num_layers,
         block_size=section.block_size,
@@ -172,7 +172,17 @@ def load_drafter_init(config: RunConfig, drafter_config: DrafterConfig) -> DFlas
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, info: DistInfo, resume: bool) -> None:
+    """One run. `target_model` and `dataset` may be passed in already built (benchmarks,
+    tests); otherwise they are loaded from `config.target.path` / `config.data.datasets`."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        info: DistInfo,
+        resume: bool,
+        target_model: Any = None,
+        dataset: Any = None,
+    ) -> None:
         self.config, self.info = config, info
         self.device = info.device
         self.backend = default_backend(self.device)
@@ -183,8 +193,24 @@ class Trainer:
         attn = config.target.attn_implementation or (
             "flex_attention" if self.device.type == "cuda" else "sdpa"
         )
-        target_model = load_target(config.target.path, dtype, attn, self.device)
-        self.drafter_config, mask_note = build_drafter_config(config, target_model)
+        from transformers import AutoConfig
+
+        target_config = (
+            target_model.config
+            if target_model is not None
+            else AutoConfig.from_pretrained(config.target.path, trust_remote_code=False)
+        )
+        self.drafter_config, mask_note = build_drafter_config(config, target_config)
+        if config.preflight:  # before any weight is loaded
+            with torch.device("meta"):
+                drafter_params = param_count(DFlashDrafter(self.drafter_config))
+            estimate = preflight.check(
+                config, self.drafter_config, target_config, drafter_params, self.device
+            )
+            if info.is_main and self.device.type == "cuda":
+                print(f"flashdraft train: memory estimate per GPU\n{estimate.table()}", flush=True)
+        if target_model is None:
+            target_model = load_target(config.target.path, dtype, attn, self.device)
         self.target = Target(target_model, self.drafter_config.target_layer_ids, self.backend)
         self.target.verify_taps()
         self.head = self.target.head
@@ -193,9 +219,11 @@ class Trainer:
         self.slot_w = slot_weights(self.block, gamma).to(self.device)
         self.slot_w_cpu = self.slot_w.cpu().double()
 
-        from flashdraft.dataset import open_datasets
+        if dataset is None:
+            from flashdraft.dataset import open_datasets
 
-        self.dataset = open_datasets(config.data.datasets)
+            dataset = open_datasets(config.data.datasets)
+        self.dataset = dataset
         self.stream = RowStream(
             self.dataset.num_tokens,
             self.dataset.sample,
@@ -221,6 +249,16 @@ class Trainer:
             )
 
         self.drafter = load_drafter_init(config, self.drafter_config).to(self.device)
+        if config.preflight:
+            estimate = preflight.check(
+                config,
+                self.drafter_config,
+                target_model.config,
+                param_count(self.drafter),
+                self.device,
+            )
+            if info.is_main and self.device.type == "cuda":
+                print(f"flashdraft train: memory estimate per GPU\n{estimate.table()}", flush=True)
         if config.compile and self.device.type == "cuda":
             compile_drafter(self.drafter)
         self.model = wrap_drafter(self.drafter, info, config.parallel.drafter_sharding)
@@ -321,11 +359,15 @@ class Trainer:
         )
 
     def train_step(self, rows: list[Row], interval: Interval) -> Tensor:
-        # The global loss normaliser: known from the CPU rows, one all-reduce per step.
-        local = sum(float((r.normaliser_mask.double() * self.slot_w_cpu).sum()) for r in rows)
-        normaliser = all_reduce_sum(
-            torch.tensor(local, dtype=torch.float64, device=self.device), self.info
-        ).float()
+        # The global loss normaliser: known from the CPU rows, one all-reduce per step. The
+        # copy to the device goes through pinned memory, asynchronously: no host sync.
+        local = sum((r.normaliser_mask.double() * self.slot_w_cpu).sum() for r in rows)
+        assert isinstance(local, Tensor)
+        if self.device.type == "cuda":
+            local = local.reshape(1).pin_memory()
+        normaliser = (
+            all_reduce_sum(local.to(self.device, non_blocking=True), self.info).float().reshape(())
+        )
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         for m, row in enumerate(rows):
             t0 = self.stopwatch.mark()
