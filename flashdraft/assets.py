@@ -107,7 +107,12 @@ def tiny_qwen3(
     hidden_size: int = 64,
     seed: int = 0,
 ) -> Path:
-    """A tiny random Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151936), saved at `path`."""
+    """A tiny random Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151936), saved at `path`.
+
+    Its embeddings are drawn 10x larger than the usual init, so the input token weighs more
+    in the residual stream and the next-token argmax depends less on noise: a random model
+    whose predictions a drafter can learn a little of in a few steps (training tests).
+    """
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -130,6 +135,8 @@ def tiny_qwen3(
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.2)
     model.generation_config = GenerationConfig(
         eos_token_id=[
             tokenizer.convert_tokens_to_ids("<|im_end|>"),

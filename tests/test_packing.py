@@ -77,7 +77,7 @@ def test_build_row_lays_out_documents_positions_and_padding() -> None:
 
 
 def test_split_pieces_keep_their_true_positions() -> None:
-    data, sample = _dataset([250])
+    _, sample = _dataset([250])
     plan = plan_epoch(np.array([250]), 100, 0, 0, shuffle=False)
     row = build_row(plan.rows[1], sample, 100, 8, 4, 0, 0, 1)
     assert row.position_ids[:100].tolist() == list(range(100, 200))
