@@ -27,7 +27,7 @@ import torch
 from flashdraft.benchutil import environment, matmul_peak, measure, print_json, print_table
 from flashdraft.config import load_run_config
 from flashdraft.parallel import init_distributed
-from flashdraft.train import Interval, Trainer
+from flashdraft.train import Interval, Trainer, plan_run
 
 
 class SyntheticDataset:
@@ -88,7 +88,8 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
     config = load_run_config(None, overrides)
     dataset = SyntheticDataset(args.docs, args.doc_min, args.doc_max, args.vocab)
     info = init_distributed("cuda" if device.type == "cuda" else "cpu")
-    return Trainer(config, info, resume=False, target_model=model, dataset=dataset)
+    plan = plan_run(config, info, resume=False, target_config=model.config, dataset=dataset)
+    return Trainer(plan, target_model=model)
 
 
 def unique_graphs() -> int:

@@ -62,7 +62,7 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int
             fn()
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else [times[0]] * 9
     return Timing(statistics.median(times), q[0], q[-1], peak)
 
 

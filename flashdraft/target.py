@@ -115,8 +115,12 @@ class LayerTaps:
 class Target:
     """A frozen target with its taps, its head, and the packed forward the trainer needs."""
 
-    def __init__(self, model: Any, layer_ids: list[int], backend: Backend) -> None:
+    def __init__(
+        self, model: Any, layer_ids: list[int], backend: Backend, sharded: bool = False
+    ) -> None:
         self.model = model
+        # FSDP2 all-gathers into buffers that inference mode would mark read-only.
+        self.no_grad = torch.no_grad if sharded else torch.inference_mode
         self.config = model.config.get_text_config()
         self.base = base_model(model)
         self.head = TargetHead.from_model(model)
@@ -137,7 +141,7 @@ class Target:
         gen = torch.Generator().manual_seed(0)
         vocab = self.head.vocab_size
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(self.device)
-        with torch.inference_mode():
+        with self.no_grad():
             out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
             taps = dict(self.taps.captured)
             self.taps.captured.clear()
@@ -179,7 +183,7 @@ class Target:
         identical to running it alone.
         """
         mask = build_document_mask(doc_ids, self.backend)
-        with torch.inference_mode():
+        with self.no_grad():
             out = self.base(
                 input_ids=input_ids,
                 position_ids=position_ids,

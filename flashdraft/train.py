@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from flashdraft import preflight, storage
-from flashdraft.attention import default_backend
+from flashdraft.attention import Backend, default_backend
 from flashdraft.blocks import data_next_tokens, slot_weights
 from flashdraft.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashdraft.config import (
@@ -35,20 +35,28 @@ from flashdraft.config import (
 )
 from flashdraft.drafter import DFlashDrafter, init_seeded, param_count
 from flashdraft.export import load_dflash, save_dflash, verify_export
+from flashdraft.head import TargetHead
 from flashdraft.loss import BlockStats
 from flashdraft.metrics import MetricsLogger
 from flashdraft.packing import Row, RowStream
 from flashdraft.parallel import (
     DistInfo,
-    all_reduce_sum,
+    FeatureChannel,
+    Placement,
+    assign_placement,
     barrier,
     compile_drafter,
+    dp_all_reduce_sum,
+    dp_barrier,
     init_distributed,
+    receive_head,
+    send_head,
+    shard_target,
     shutdown,
     wrap_drafter,
 )
 from flashdraft.step import DraftBatch, draft_loss
-from flashdraft.target import Target, load_target
+from flashdraft.target import DTYPES, Target, decoder_layers, load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,97 +179,273 @@ def load_drafter_init(config: RunConfig, drafter_config: DrafterConfig) -> DFlas
     return warm
 
 
-class Trainer:
-    """One run. `target_model` and `dataset` may be passed in already built (benchmarks,
-    tests); otherwise they are loaded from `config.target.path` / `config.data.datasets`."""
+@dataclass(slots=True)
+class RunPlan:
+    """What every rank of a run agrees on before any weight is loaded."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        info: DistInfo,
-        resume: bool,
-        target_model: Any = None,
-        dataset: Any = None,
-    ) -> None:
-        self.config, self.info = config, info
+    config: RunConfig
+    info: DistInfo
+    placement: Placement
+    target_config: Any
+    drafter_config: DrafterConfig
+    mask_note: str
+    stream: RowStream
+    dataset: Any
+    total_rows: int
+    total_steps: int
+    start_step: int
+    start_cursor: int
+    resume_from: str | None
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.placement.dp_world * self.config.optim.grad_accum
+
+    def positions(self, dp_rank: int) -> Any:
+        """Stream positions of dp replica `dp_rank`'s rows, step after step, from the cursor."""
+        g = self.config.optim.grad_accum
+        base = self.start_cursor
+        for _ in range(self.start_step, self.total_steps):
+            for m in range(g):
+                yield base + dp_rank * g + m
+            base += self.rows_per_step
+
+
+def plan_run(
+    config: RunConfig, info: DistInfo, resume: bool, target_config: Any = None, dataset: Any = None
+) -> RunPlan:
+    from transformers import AutoConfig
+
+    placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
+    existing = latest_checkpoint(config.output)
+    if existing is not None and not resume:
+        raise FileExistsError(
+            f"{config.output} already holds checkpoints (latest {existing}); pass --resume "
+            "to continue that run or choose a new output"
+        )
+    if info.is_main:
+        storage.makedirs(config.output)
+        storage.write_json_atomic(storage.join(config.output, "config.json"), config.to_dict())
+    barrier(info)
+    if target_config is None:
+        target_config = AutoConfig.from_pretrained(config.target.path, trust_remote_code=False)
+    drafter_config, mask_note = build_drafter_config(config, target_config)
+    if dataset is None:
+        from flashdraft.dataset import open_datasets
+
+        dataset = open_datasets(config.data.datasets)
+    stream = RowStream(
+        dataset.num_tokens,
+        dataset.sample,
+        row_tokens=config.data.row_tokens,
+        num_anchors=config.loss.anchors,
+        block_size=drafter_config.block_size,
+        seed=config.seed,
+        epochs=config.optim.epochs,
+        overlong=config.data.overlong,
+        shuffle=config.data.shuffle,
+        pad_id=int(getattr(target_config, "pad_token_id", None) or 0),
+    )
+    total_rows = stream.total_rows()
+    rows_per_step = placement.dp_world * config.optim.grad_accum
+    total_steps = total_rows // rows_per_step
+    if config.optim.max_steps is not None:
+        total_steps = min(total_steps, config.optim.max_steps)
+    if total_steps < 1:
+        raise ValueError(
+            f"the data makes {total_rows} packed rows of {config.data.row_tokens} tokens, "
+            f"fewer than one step needs ({placement.dp_world} drafter replica(s) x grad_accum "
+            f"{config.optim.grad_accum}); lower data.row_tokens or add data"
+        )
+    resume_from = existing if resume else None
+    step = cursor = 0
+    if resume_from is not None:
+        state = storage.read_json(storage.join(resume_from, "state.json"))
+        step, cursor = int(state["step"]), int(state["cursor"])
+    return RunPlan(
+        config,
+        info,
+        placement,
+        target_config,
+        drafter_config,
+        mask_note,
+        stream,
+        dataset,
+        total_rows,
+        total_steps,
+        step,
+        cursor,
+        resume_from,
+    )
+
+
+def _load_target(plan: RunPlan, target_model: Any, backend: Backend) -> Target:
+    config, device = plan.config, plan.info.device
+    if target_model is None:
+        dtype = _resolved_dtype(config, device)
+        attn = config.target.attn_implementation or (
+            "flex_attention" if device.type == "cuda" else "sdpa"
+        )
+        sharded = config.parallel.shard_target and plan.info.distributed
+        target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
+        if sharded:
+            shard_target(decoder_layers(target_model))
+            target_model.to(device)
+    target = Target(
+        target_model,
+        plan.drafter_config.target_layer_ids,
+        backend,
+        sharded=config.parallel.shard_target and plan.info.distributed,
+    )
+    target.verify_taps()
+    return target
+
+
+def _head_tensors(head: TargetHead) -> list[Tensor]:
+    embedding = getattr(head.embedding, "weight", None)
+    assert isinstance(embedding, Tensor)
+    scale = torch.tensor(
+        [float(getattr(head.embedding, "embed_scale", 1.0))], device=head.weight.device
+    )
+    return [embedding, head.weight, scale.to(head.weight.dtype)]
+
+
+def _remote_head(plan: RunPlan, dtype: torch.dtype) -> TargetHead:
+    """The target's embedding and LM head, received once from the feeding target rank."""
+    text = plan.target_config.get_text_config()
+    vocab, hidden = plan.drafter_config.vocab_size, plan.drafter_config.hidden_size
+    embedding_w, head_w, scale = receive_head(
+        [(vocab, hidden), (vocab, hidden), (1,)], dtype, plan.info.device, plan.placement.feeder
+    )
+    embedding = nn.Embedding.from_pretrained(embedding_w, freeze=True)
+    embed_scale = float(scale)
+    module: nn.Module = (
+        embedding if embed_scale == 1.0 else _ScaledEmbedding(embedding, embed_scale)
+    )
+    head_scale = float(getattr(text, "logit_scale", None) or 1.0)
+    if getattr(text, "logits_scaling", None):
+        head_scale /= float(text.logits_scaling)
+    return TargetHead(module, head_w, head_scale, getattr(text, "final_logit_softcapping", None))
+
+
+class _ScaledEmbedding(nn.Module):
+    def __init__(self, inner: nn.Embedding, scale: float) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.inner(ids) * self.scale
+
+
+def serve_target(plan: RunPlan, target_model: Any = None) -> None:
+    """Split placement, target rank: run the target for the drafters it feeds, forever ahead
+    of them by at most `parallel.queue_depth` rows each."""
+    config, info = plan.config, plan.info
+    backend = default_backend(info.device)
+    target = _load_target(plan, target_model, backend)
+    consumers = plan.placement.consumers(info.rank)
+    send_head(_head_tensors(target.head), consumers)
+    channels = {
+        peer: FeatureChannel(
+            peer, (), (), target.head.weight.dtype, info.device, config.parallel.queue_depth
+        )
+        for peer in consumers
+    }
+    streams = {
+        peer: plan.stream.iterate(
+            plan.positions(plan.placement.drafter_ranks.index(peer)),
+            config.data.prefetch if config.parallel.overlap else 0,
+        )
+        for peer in consumers
+    }
+    use_target_labels = config.loss.labels == "target"
+    block = plan.drafter_config.block_size
+    for _ in range(plan.start_step, plan.total_steps):
+        for peer in consumers:
+            for _ in range(config.optim.grad_accum):
+                row = next(streams[peer])
+                ids, positions, docs, anchors, label_pos = (
+                    t.to(info.device)[None]
+                    for t in (
+                        row.input_ids,
+                        row.position_ids,
+                        row.doc_ids,
+                        row.anchors,
+                        row.label_positions,
+                    )
+                )
+                features, next_tokens = target.forward_packed(
+                    ids,
+                    positions,
+                    docs,
+                    label_pos if use_target_labels else None,
+                    config.loss.chunk_rows,
+                )
+                if next_tokens is None:
+                    next_tokens = data_next_tokens(ids, anchors, block)
+                channels[peer].send(features, next_tokens)
+    for channel in channels.values():
+        channel.flush()
+
+
+class Trainer:
+    """The drafter side of a run: colocated (with its own target) or split (fed by a target
+    rank). `target_model` and `dataset` may be passed in already built (benchmarks, tests)."""
+
+    def __init__(self, plan: RunPlan, target_model: Any = None) -> None:
+        config, info = plan.config, plan.info
+        self.plan, self.config, self.info = plan, config, info
+        self.placement = plan.placement
         self.device = info.device
         self.backend = default_backend(self.device)
         self.run_dir = config.output
-        self._check_output(resume)
-
-        dtype = _resolved_dtype(config, self.device)
-        attn = config.target.attn_implementation or (
-            "flex_attention" if self.device.type == "cuda" else "sdpa"
-        )
-        from transformers import AutoConfig
-
-        target_config = (
-            target_model.config
-            if target_model is not None
-            else AutoConfig.from_pretrained(config.target.path, trust_remote_code=False)
-        )
-        self.drafter_config, mask_note = build_drafter_config(config, target_config)
-        if config.preflight:  # before any weight is loaded
-            with torch.device("meta"):
-                drafter_params = param_count(DFlashDrafter(self.drafter_config))
-            estimate = preflight.check(
-                config, self.drafter_config, target_config, drafter_params, self.device
-            )
-            if info.is_main and self.device.type == "cuda":
-                print(f"flashdraft train: memory estimate per GPU\n{estimate.table()}", flush=True)
-        if target_model is None:
-            target_model = load_target(config.target.path, dtype, attn, self.device)
-        self.target = Target(target_model, self.drafter_config.target_layer_ids, self.backend)
-        self.target.verify_taps()
-        self.head = self.target.head
+        self.drafter_config = plan.drafter_config
+        self.stream, self.dataset = plan.stream, plan.dataset
+        self.total_steps, self.rows_per_step = plan.total_steps, plan.rows_per_step
         self.block = self.drafter_config.block_size
         gamma = config.loss.gamma if config.loss.gamma is not None else 7.0 * self.block / 16
         self.slot_w = slot_weights(self.block, gamma).to(self.device)
         self.slot_w_cpu = self.slot_w.cpu().double()
 
-        if dataset is None:
-            from flashdraft.dataset import open_datasets
-
-            dataset = open_datasets(config.data.datasets)
-        self.dataset = dataset
-        self.stream = RowStream(
-            self.dataset.num_tokens,
-            self.dataset.sample,
-            row_tokens=config.data.row_tokens,
-            num_anchors=config.loss.anchors,
-            block_size=self.block,
-            seed=config.seed,
-            epochs=config.optim.epochs,
-            overlong=config.data.overlong,
-            shuffle=config.data.shuffle,
-            pad_id=int(getattr(target_model.config, "pad_token_id", None) or 0),
-        )
-        self.rows_per_step = info.world * config.optim.grad_accum
-        total_rows = self.stream.total_rows()
-        self.total_steps = total_rows // self.rows_per_step
-        if config.optim.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.optim.max_steps)
-        if self.total_steps < 1:
-            raise ValueError(
-                f"the data makes {total_rows} packed rows of {config.data.row_tokens} tokens, "
-                f"fewer than one step needs ({info.world} ranks x grad_accum "
-                f"{config.optim.grad_accum}); lower data.row_tokens or add data"
+        if config.preflight:  # before any weight is loaded
+            with torch.device("meta"):
+                drafter_params = param_count(DFlashDrafter(self.drafter_config))
+            estimate = preflight.check(
+                config, self.drafter_config, plan.target_config, drafter_params, self.device
             )
+            if self.placement.is_logger and self.device.type == "cuda":
+                print(f"flashdraft train: memory estimate per GPU\n{estimate.table()}", flush=True)
+        self.target: Target | None = None
+        self.channel: FeatureChannel | None = None
+        if self.placement.role == "drafter":
+            dtype = DTYPES[_resolved_dtype(config, self.device)]
+            self.head = _remote_head(plan, dtype)
+            self.channel = FeatureChannel(
+                self.placement.feeder,
+                (
+                    1,
+                    config.data.row_tokens,
+                    self.drafter_config.num_taps * self.drafter_config.hidden_size,
+                ),
+                (1, config.loss.anchors, self.block - 1),
+                dtype,
+                self.device,
+                config.parallel.queue_depth,
+            )
+        else:
+            self.target = _load_target(plan, target_model, self.backend)
+            self.head = self.target.head
 
         self.drafter = load_drafter_init(config, self.drafter_config).to(self.device)
-        if config.preflight:
-            estimate = preflight.check(
-                config,
-                self.drafter_config,
-                target_model.config,
-                param_count(self.drafter),
-                self.device,
-            )
-            if info.is_main and self.device.type == "cuda":
-                print(f"flashdraft train: memory estimate per GPU\n{estimate.table()}", flush=True)
         if config.compile and self.device.type == "cuda":
             compile_drafter(self.drafter)
-        self.model = wrap_drafter(self.drafter, info, config.parallel.drafter_sharding)
+        self.model = wrap_drafter(
+            self.drafter,
+            info,
+            config.parallel.drafter_sharding,
+            self.placement.group,
+            self.placement.dp_world,
+        )
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
@@ -271,65 +455,50 @@ class Trainer:
             weight_decay=optim.weight_decay,
             fused=self.device.type == "cuda",
         )
-        self.step, self.cursor = 0, 0
-        resume_from = latest_checkpoint(self.run_dir) if resume else None
-        if resume_from is not None:
-            state = load_checkpoint(resume_from, self.drafter, self.optimizer)
-            self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.step, self.cursor = plan.start_step, plan.start_cursor
+        if plan.resume_from is not None:
+            load_checkpoint(plan.resume_from, self.drafter, self.optimizer)
         self.logger = (
             MetricsLogger(
                 self.run_dir,
-                resume_step=self.step if resume_from else None,
+                resume_step=self.step if plan.resume_from else None,
                 tensorboard=config.log.tensorboard,
                 wandb_project=config.log.wandb_project if config.log.wandb else None,
                 config=config.to_dict(),
             )
-            if info.is_main
+            if self.placement.is_logger
             else None
         )
         self.stopwatch = Stopwatch(self.device)
-        if info.is_main:
-            self._announce(mask_note, resume_from, total_rows)
+        self._remaining = (plan.total_steps - plan.start_step) * config.optim.grad_accum
+        if self.placement.is_logger:
+            self._announce()
 
-    def _check_output(self, resume: bool) -> None:
-        existing = latest_checkpoint(self.run_dir)
-        if existing is not None and not resume:
-            raise FileExistsError(
-                f"{self.run_dir} already holds checkpoints (latest {existing}); pass --resume "
-                "to continue that run or choose a new output"
-            )
-        if self.info.is_main:
-            storage.makedirs(self.run_dir)
-            storage.write_json_atomic(
-                storage.join(self.run_dir, "config.json"), self.config.to_dict()
-            )
-        barrier(self.info)
-
-    def _announce(self, mask_note: str, resume_from: str | None, total_rows: int) -> None:
-        c = self.drafter_config
+    def _announce(self) -> None:
+        c, plan = self.drafter_config, self.plan
+        where = (
+            f"{self.placement.dp_world} drafter replica(s)"
+            if self.placement.kind == "colocated"
+            else f"{len(self.placement.target_ranks)} target + {self.placement.dp_world} drafter rank(s)"
+        )
         print(
             f"flashdraft train: target {self.config.target.path} "
-            f"({self.target.num_layers} layers), taps {c.target_layer_ids}, "
-            f"mask token {c.mask_token_id} ({mask_note})\n"
+            f"({c.num_target_layers} layers), taps {c.target_layer_ids}, "
+            f"mask token {c.mask_token_id} ({plan.mask_note})\n"
             f"  drafter {c.num_hidden_layers} layers x {c.hidden_size}, "
             f"{param_count(self.drafter) / 1e6:.1f}M params, B={c.block_size}, "
-            f"A={self.config.loss.anchors}; {len(self.dataset)} samples -> {total_rows} rows of "
-            f"{self.config.data.row_tokens} tokens over {self.config.optim.epochs} epoch(s); "
-            f"{self.total_steps} steps of {self.rows_per_step} rows on {self.info.world} rank(s)"
-            + (f"\n  resuming from {resume_from} at step {self.step}" if resume_from else ""),
+            f"A={self.config.loss.anchors}; {len(self.dataset)} samples -> {plan.total_rows} rows "
+            f"of {self.config.data.row_tokens} tokens over {self.config.optim.epochs} epoch(s); "
+            f"{self.total_steps} steps of {self.rows_per_step} rows; {self.placement.kind}: {where}"
+            + (
+                f"\n  resuming from {plan.resume_from} at step {self.step}"
+                if plan.resume_from
+                else ""
+            ),
             flush=True,
         )
 
     # ---- the step ----
-
-    def _positions(self) -> Any:
-        """Stream positions of this rank's rows, step after step, from the cursor."""
-        g = self.config.optim.grad_accum
-        base = self.cursor
-        for _ in range(self.step, self.total_steps):
-            for m in range(g):
-                yield base + self.info.rank * g + m
-            base += self.rows_per_step
 
     def _batch(self, row: Row) -> DraftBatch:
         dev = self.device
@@ -340,13 +509,19 @@ class Trainer:
 
         ids, positions, docs = put(row.input_ids), put(row.position_ids), put(row.doc_ids)
         anchors = put(row.anchors)
-        use_target_labels = self.config.loss.labels == "target"
-        label_pos = put(row.label_positions) if use_target_labels else None
-        features, next_tokens = self.target.forward_packed(
-            ids, positions, docs, label_pos, self.config.loss.chunk_rows
-        )
-        if next_tokens is None:
-            next_tokens = data_next_tokens(ids, anchors, self.block)
+        if self.channel is not None:
+            features, next_tokens = self.channel.receive(self._remaining)
+            self._remaining -= 1
+        else:
+            assert self.target is not None
+            use_target_labels = self.config.loss.labels == "target"
+            label_pos = put(row.label_positions) if use_target_labels else None
+            features, maybe_next = self.target.forward_packed(
+                ids, positions, docs, label_pos, self.config.loss.chunk_rows
+            )
+            next_tokens = (
+                maybe_next if maybe_next is not None else data_next_tokens(ids, anchors, self.block)
+            )
         return DraftBatch(
             input_ids=ids,
             position_ids=positions,
@@ -366,7 +541,9 @@ class Trainer:
         if self.device.type == "cuda":
             local = local.reshape(1).pin_memory()
         normaliser = (
-            all_reduce_sum(local.to(self.device, non_blocking=True), self.info).float().reshape(())
+            dp_all_reduce_sum(local.to(self.device, non_blocking=True), self.placement)
+            .float()
+            .reshape(())
         )
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         for m, row in enumerate(rows):
@@ -390,7 +567,7 @@ class Trainer:
                     )
                 # Data parallel wrappers average gradients over ranks; the loss is already
                 # this rank's share of the global sum, so undo the average.
-                (loss * self.info.world).backward()
+                (loss * self.placement.dp_world).backward()
             t2 = self.stopwatch.mark()
             self.stopwatch.add("target", t0, t1)
             self.stopwatch.add("drafter", t1, t2)
@@ -411,7 +588,7 @@ class Trainer:
         extra = torch.tensor(
             [interval.tokens, interval.rows], dtype=torch.float64, device=self.device
         )
-        flat = all_reduce_sum(torch.cat([interval.stats.flat(), extra]), self.info)  # host sync
+        flat = dp_all_reduce_sum(torch.cat([interval.stats.flat(), extra]), self.placement)  # sync
         summary = BlockStats.from_flat(flat[:-2], self.block).summary()
         tokens, rows = int(flat[-2]), int(flat[-1])
         wall = time.perf_counter() - interval.started
@@ -451,13 +628,17 @@ class Trainer:
             self.step,
             self.drafter,
             self.optimizer,
-            {"cursor": self.cursor, "total_steps": self.total_steps, "world": self.info.world},
+            {
+                "cursor": self.cursor,
+                "total_steps": self.total_steps,
+                "dp_world": self.placement.dp_world,
+            },
             keep=self.config.checkpoint.keep,
-            is_main=self.info.is_main,
+            is_main=self.placement.is_logger,
         )
         if self.logger is not None:
             self.logger.sync()
-        barrier(self.info)
+        dp_barrier(self.placement)
 
     def fit(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -471,11 +652,12 @@ class Trainer:
                 unit="step",
                 dynamic_ncols=True,
             )
-            if self.info.is_main and config.log.progress
+            if self.placement.is_logger and config.log.progress
             else None
         )
         rows = self.stream.iterate(
-            self._positions(), config.data.prefetch if config.parallel.overlap else 0
+            self.plan.positions(self.placement.dp_rank),
+            config.data.prefetch if config.parallel.overlap else 0,
         )
         interval, last_record = Interval(), {}
         g = config.optim.grad_accum
@@ -498,7 +680,7 @@ class Trainer:
                 self._checkpoint()
         if progress is not None:
             progress.close()
-        if self.info.is_main:
+        if self.placement.is_logger:
             export = storage.join(self.run_dir, "export")
             save_dflash(self.drafter, export)
             verify_export(self.drafter, export)
@@ -509,15 +691,24 @@ class Trainer:
         return last_record
 
 
-def train(config: RunConfig, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) a training run; returns the last logged metrics record."""
+def train(
+    config: RunConfig, resume: bool = False, target_model: Any = None, dataset: Any = None
+) -> dict[str, Any]:
+    """Run (or resume) a training run on this process's rank; returns the last logged metrics
+    record on the logging rank (empty elsewhere)."""
     info = init_distributed(config.device)
+    record: dict[str, Any] = {}
     try:
         torch.manual_seed(config.seed + info.rank)
-        trainer = Trainer(config, info, resume)
-        record = trainer.fit()
+        target_config = target_model.config if target_model is not None else None
+        plan = plan_run(config, info, resume, target_config, dataset)
+        if plan.placement.role == "target":
+            serve_target(plan, target_model)
+            barrier(info)
+        else:
+            record = Trainer(plan, target_model).fit()
     finally:
         shutdown(info)
-    if info.is_main:
+    if record:
         print(json.dumps({"final": record}), flush=True)
     return record
