@@ -19,6 +19,7 @@ The checks (SPEC trap 8), each with a threshold option:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -137,6 +138,7 @@ def _key(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+@functools.lru_cache(maxsize=4)
 def normalized_keys(tokenizer: Any) -> np.ndarray:
     """Token id -> a key of its text lowercased and stripped to letters and digits.
 

@@ -113,6 +113,36 @@ def write_layout(url: str, data_files: Sequence[str], fingerprint: str) -> None:
     storage.write_json_atomic(storage.join(url, STATE), state)
 
 
+def write_dataset(
+    url: str,
+    rows: Sequence[tuple[np.ndarray, np.ndarray, str]],
+    *,
+    shards: int = 1,
+    manifest: dict[str, Any] | None = None,
+) -> None:
+    """A complete prepared dataset from samples in memory (tests, small tools).
+
+    `flashdraft prepare` writes the same layout shard by shard; `manifest` adds or
+    overrides manifest fields.
+    """
+    storage.makedirs(url)
+    bounds = np.linspace(0, len(rows), shards + 1).astype(int)
+    names, digests = [], []
+    for i in range(shards):
+        data = stream_bytes(record_batch(rows[bounds[i] : bounds[i + 1]]))
+        names.append(data_file_name(i, shards))
+        digests.append(hashlib.sha256(data).hexdigest())
+        storage.write_bytes_atomic(storage.join(url, names[-1]), data)
+    write_layout(url, names, fingerprint(digests))
+    counts = {
+        "samples": len(rows),
+        "tokens": int(sum(len(r[0]) for r in rows)),
+        "loss_tokens": int(sum(int(r[1].sum()) for r in rows)),
+    }
+    record = {"format": FORMAT, "version": FORMAT_VERSION, "status": "complete", "counts": counts}
+    storage.write_json_atomic(storage.join(url, MANIFEST), {**record, **(manifest or {})})
+
+
 # -- reading ---------------------------------------------------------------------------------
 
 

@@ -227,17 +227,19 @@ class ShardResult:
     data: bytes  # Arrow IPC stream
     counts: dict[str, int]
     rejects: list[tuple[str, str]]
+    cpu_seconds: float  # of the worker, for throughput reports (never stored: not reproducible)
 
 
 class ShardProcessor:
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: _Job, tokenizer: Any | None = None) -> None:
         self.job = job
-        self.tokenizer = load_tokenizer(job.tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(job.tokenizer)
         self.template = ChatTemplate(
             self.tokenizer, TemplateOptions(thinking=job.thinking, turns=job.turns)
         )
 
     def __call__(self, index: int, lines: list[tuple[str, bytes]]) -> ShardResult:
+        started = time.process_time()
         rejects: list[tuple[str, str]] = []
         rendered = []
         for source, raw in lines:
@@ -282,7 +284,13 @@ class ShardProcessor:
             "tokens": int(sum(len(r[0]) for r in rows)),
             "loss_tokens": int(sum(int(r[1].sum()) for r in rows)),
         }
-        return ShardResult(index=index, data=stream_bytes(batch), counts=counts, rejects=rejects)
+        return ShardResult(
+            index=index,
+            data=stream_bytes(batch),
+            counts=counts,
+            rejects=rejects,
+            cpu_seconds=time.process_time() - started,
+        )
 
 
 _PROCESSOR: ShardProcessor | None = None
@@ -302,8 +310,8 @@ def _run_worker(index: int, lines: list[tuple[str, bytes]]) -> ShardResult:
 class _InlineExecutor:
     """One worker: process in this process, no pickling (also easier to profile)."""
 
-    def __init__(self, job: _Job) -> None:
-        self.processor = ShardProcessor(job)
+    def __init__(self, job: _Job, tokenizer: Any) -> None:
+        self.processor = ShardProcessor(job, tokenizer)
 
     def submit(self, index: int, lines: list[tuple[str, bytes]]) -> Future[ShardResult]:
         future: Future[ShardResult] = Future()
@@ -454,7 +462,9 @@ class PrepareResult:
     manifest: dict[str, Any]
     report: str  # the audit report, human readable
     preview: str
-    seconds: float
+    seconds: float  # wall, whole run
+    process_seconds: float  # wall, reading and processing the shards
+    worker_cpu_seconds: float  # CPU time workers spent on shards processed in this run
     reused_shards: int
 
     @property
@@ -484,7 +494,9 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
     log(
         f"prepare: {len(files)} input file(s), {workers} worker(s), shards of {config.shard_size} records"
     )
-    markers, reused = _process(config, inputs, workspace, job, workers)
+    process_started = time.perf_counter()
+    markers, reused, worker_cpu = _process(config, inputs, workspace, job, workers, tokenizer)
+    process_seconds = time.perf_counter() - process_started
 
     names = workspace.finalize(markers)
     counts = {
@@ -530,7 +542,7 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
             f"Each is listed in {storage.join(config.output, REJECTS)}; fix the input or raise "
             "--max-reject-rate."
         )
-    if audit.problems and config.allow_degenerate:
+    if audit.problems and config.allow_degenerate and audit.samples:
         manifest["warnings"] = audit.problems
     else:
         problems += audit.problems
@@ -547,6 +559,8 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
         report=format_report(audit),
         preview=format_preview(dataset, indices, tokenizer, color=config.color) if indices else "",
         seconds=time.perf_counter() - started,
+        process_seconds=process_seconds,
+        worker_cpu_seconds=worker_cpu,
         reused_shards=reused,
     )
 
@@ -557,8 +571,10 @@ def _process(
     workspace: _Workspace,
     job: _Job,
     workers: int,
-) -> tuple[list[dict[str, Any]], int]:
-    """Every shard's marker, in order: reused when finished before, else processed."""
+    tokenizer: Any,
+) -> tuple[list[dict[str, Any]], int, float]:
+    """Every shard's marker in order (reused when finished before, else processed), the
+    number reused, and the worker CPU seconds spent."""
     from tqdm import tqdm
 
     executor: _InlineExecutor | _PoolExecutor | None = None
@@ -567,6 +583,7 @@ def _process(
     pending: deque[tuple[_Shard, Future[ShardResult] | None, dict[str, Any] | None]] = deque()
     markers: list[dict[str, Any]] = []
     reused = done_bytes = 0
+    cpu = 0.0
     totals: Counter[str] = Counter()
     bar = tqdm(
         total=inputs.total_bytes,
@@ -577,10 +594,12 @@ def _process(
     )
 
     def finish_one() -> None:
-        nonlocal reused, done_bytes
+        nonlocal reused, done_bytes, cpu
         shard, future, marker = pending.popleft()
         if future is not None:
-            marker = workspace.save(future.result(), shard)
+            result = future.result()
+            cpu += result.cpu_seconds
+            marker = workspace.save(result, shard)
         else:
             reused += 1
         assert marker is not None
@@ -596,7 +615,11 @@ def _process(
             future = None
             if marker is None:
                 if executor is None:
-                    executor = _InlineExecutor(job) if workers == 1 else _PoolExecutor(job, workers)
+                    executor = (
+                        _InlineExecutor(job, tokenizer)
+                        if workers == 1
+                        else _PoolExecutor(job, workers)
+                    )
                 future = executor.submit(shard.index, shard.lines)
                 shard.lines = []  # the worker has them; free the memory
             pending.append((shard, future, marker))
@@ -608,7 +631,7 @@ def _process(
         bar.close()
         if executor is not None:
             executor.shutdown()
-    return markers, reused
+    return markers, reused, cpu
 
 
 # -- command ---------------------------------------------------------------------------------

@@ -59,8 +59,8 @@ THINKING = ("keep", "strip", "off")
 TURNS = ("all", "last")
 
 # Private-use code points: never produced by a template, rare in data, and checked for.
-_OPEN, _CLOSE, _PROBE = "\ue000", "\ue001", "\ue002"
-_MARKERS = re.compile(f"[{_OPEN}{_CLOSE}{_PROBE}]")
+_OPEN, _CLOSE, _PROBE, _REASON = "\ue000", "\ue001", "\ue002", "\ue003"
+_MARKERS = re.compile(f"[{_OPEN}{_CLOSE}{_PROBE}{_REASON}]")
 _PLACEHOLDER = "Hello."
 _PROMPT_CACHE_SIZE = 4096
 
@@ -171,6 +171,8 @@ class ChatTemplate:
         self._empty_reasoning: dict[str, bool] = {}
         # local context -> its rendering with the generation prompt (see _local_context)
         self._prompts: dict[str, str] = {}
+        # turn shape -> trained text before and after its content (see _predict)
+        self._shapes: dict[str, tuple[str, str] | None] = {}
 
     # -- rendering -------------------------------------------------------------------------
 
@@ -257,8 +259,11 @@ class ChatTemplate:
             span = None
             if content_at is not None:
                 context = self._local_context(messages, i)
-                local = self._turn(context, messages[i], tools, prompt=self._prompt(context, tools))
-                span = local.place(text, content_at[i])
+                span = self._predict(text, content_at[i], context, messages[i], tools)
+                if span is None:
+                    prompt = self._prompt(context, tools)
+                    local = self._turn(context, messages[i], tools, prompt=prompt)
+                    span = local.place(text, content_at[i])
             if span is None:
                 full = self._turn(messages[:i], messages[i], tools)
                 if content_at is not None:
@@ -277,6 +282,47 @@ class ChatTemplate:
         if spans:
             split.append(RenderedSample(text=text[: spans[-1][1]], spans=spans, turn=kept))
         return split
+
+    def _predict(
+        self,
+        text: str,
+        content_at: int,
+        context: list[dict[str, Any]],
+        message: dict[str, Any],
+        tools: list[dict[str, Any]] | None,
+    ) -> tuple[int, int] | None:
+        """The turn's trained span in `text` without rendering it again.
+
+        A turn of the same shape (context, fields, reasoning or not) is rendered once with
+        probe content and reasoning; the real ones go in verbatim, and `text` must hold
+        exactly that trained text around the content's position. None otherwise (a
+        template that strips or rewrites them), and the caller renders the turn itself.
+        """
+        reasoning = message.get("reasoning_content")
+        shape_of = {**message, "content": None, "reasoning_content": reasoning is not None}
+        key = json.dumps([context, shape_of, tools], sort_keys=True)
+        if key not in self._shapes:
+            if len(self._shapes) >= _PROMPT_CACHE_SIZE:
+                self._shapes.clear()
+            probe = {**message, "content": _PROBE}
+            if reasoning is not None:
+                probe["reasoning_content"] = _REASON
+            turn = self._turn(context, probe, tools, prompt=self._prompt(context, tools))
+            before, found, after = turn.text[turn.start : turn.end].partition(_PROBE)
+            usable = found and (reasoning is None or before.count(_REASON) == 1)
+            self._shapes[key] = (before, after) if usable else None
+        shape = self._shapes[key]
+        if shape is None:
+            return None
+        before, after = shape
+        if reasoning is not None:
+            before = before.replace(_REASON, reasoning)
+        start = content_at - len(before)
+        middle = content_at + len(message["content"])
+        end = middle + len(after)
+        if start < 0 or text[start:content_at] != before or text[middle:end] != after:
+            return None
+        return start, end
 
     def _find(
         self,
