@@ -19,7 +19,6 @@ import resource
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 # Reference point from the issue: 902K samples in 6.5 min on 128 workers.

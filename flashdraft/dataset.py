@@ -36,6 +36,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
 STATE = "state.json"
+WORK = ".work"
 INFO = "dataset_info.json"
 
 # HF `datasets` feature types, as save_to_disk records them.
@@ -141,6 +142,108 @@ def write_dataset(
     }
     record = {"format": FORMAT, "version": FORMAT_VERSION, "status": "complete", "counts": counts}
     storage.write_json_atomic(storage.join(url, MANIFEST), {**record, **(manifest or {})})
+
+
+# -- sharded writing with resume --------------------------------------------------------------------
+
+
+class ShardStore:
+    """A dataset directory written shard by shard, with the state to resume.
+
+    OUT/.work/settings.json holds what decides the data; a shard is done once its marker
+    OUT/.work/shard-i.json exists (written after its data, with its counts, rejects and
+    the digest of its input). `finalize` gives the shards their `data-i-of-N.arrow` names
+    and writes the `datasets` side files and rejects.jsonl; the manifest is the caller's.
+    """
+
+    def __init__(self, output: str, settings: dict[str, Any], *, overwrite: bool) -> None:
+        self.output = output
+        self.work = storage.join(output, WORK)
+        self.fs, self.path = storage.filesystem(output)
+        settings_url = storage.join(self.work, "settings.json")
+        if self.fs.exists(self.path) and self.fs.ls(self.path):
+            ours = storage.exists(settings_url) or storage.exists(storage.join(output, MANIFEST))
+            if not ours:
+                raise FileExistsError(
+                    f"output {output!r} exists and is not a flashdraft dataset; choose a new "
+                    "or empty directory"
+                )
+            same = storage.exists(settings_url) and storage.read_json(settings_url) == settings
+            if not same:
+                if not overwrite:
+                    raise FileExistsError(
+                        f"output {output!r} holds a dataset prepared with other settings "
+                        "(tokenizer, thinking, turns, max length or shard size); pass "
+                        "--overwrite to replace it, or choose another --output"
+                    )
+                self.fs.rm(self.path, recursive=True)
+        storage.makedirs(self.work)
+        storage.write_json_atomic(settings_url, settings)
+        self.markers: dict[int, dict[str, Any]] = {}
+        for path in self.fs.glob(storage.join(self.work, "shard-*.json")):
+            with self.fs.open(path, "rb") as f:
+                marker = json.load(f)
+            self.markers[int(marker["index"])] = marker
+
+    def _url(self, name: str) -> str:
+        return storage.join(self.output, name)
+
+    def finished(self, index: int, digest: str) -> dict[str, Any] | None:
+        """The marker of shard `index` if it was finished from the same input."""
+        marker = self.markers.get(index)
+        if marker and marker["digest"] == digest and storage.exists(self._url(marker["file"])):
+            return marker
+        return None
+
+    def save(
+        self,
+        index: int,
+        digest: str,
+        data: bytes,
+        counts: dict[str, int],
+        rejects: list[tuple[str, str]],
+    ) -> dict[str, Any]:
+        name = f"{WORK}/shard-{index:05d}.arrow"
+        storage.write_bytes_atomic(self._url(name), data)
+        marker = {
+            "index": index,
+            "digest": digest,
+            "file": name,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "counts": counts,
+            "rejects": rejects,
+        }
+        # The marker is written last: a shard without one is redone on resume.
+        self._write_marker(marker)
+        return marker
+
+    def _write_marker(self, marker: dict[str, Any]) -> None:
+        storage.write_json_atomic(self._url(f"{WORK}/shard-{marker['index']:05d}.json"), marker)
+        self.markers[int(marker["index"])] = marker
+
+    def finalize(self, markers: list[dict[str, Any]]) -> list[str]:
+        """Move shards to their `data-i-of-N.arrow` names, drop stale files, write the layout."""
+        names = [data_file_name(i, len(markers)) for i in range(len(markers))]
+        for marker, name in zip(markers, names, strict=True):
+            if marker["file"] != name:
+                self.fs.mv(self._url(marker["file"]), self._url(name))
+                marker["file"] = name
+                self._write_marker(marker)
+        keep = set(names)
+        for path in self.fs.glob(self._url("data-*-of-*.arrow")):
+            if os.path.basename(path) not in keep:
+                self.fs.rm(path)
+        for index in [i for i in self.markers if i >= len(markers)]:
+            self.fs.rm(self._url(f"{WORK}/shard-{index:05d}.json"))
+            del self.markers[index]
+        rejects = "".join(
+            json.dumps({"source": source, "reason": reason}) + "\n"
+            for marker in markers
+            for source, reason in marker["rejects"]
+        )
+        storage.write_text_atomic(self._url(REJECTS), rejects)
+        write_layout(self.output, names, fingerprint(m["sha256"] for m in markers))
+        return names
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import multiprocessing
 import os
 import re
@@ -60,16 +59,15 @@ from flashdraft.dataset import (
     FORMAT_VERSION,
     MANIFEST,
     REJECTS,
-    data_file_name,
-    fingerprint,
+    ShardStore,
     open_dataset,
     record_batch,
     stream_bytes,
-    write_layout,
 )
 from flashdraft.formats import RecordError, parse_line, parse_record, record_tools
 from flashdraft.template import (
     ChatTemplate,
+    RenderedSample,
     TemplateOptions,
     encode,
     load_tokenizer,
@@ -77,7 +75,6 @@ from flashdraft.template import (
 )
 
 OVERLONG = ("drop", "truncate")
-WORK = ".work"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,6 +238,39 @@ class ShardProcessor:
     def __call__(self, index: int, lines: list[tuple[str, bytes]]) -> ShardResult:
         started = time.process_time()
         rejects: list[tuple[str, str]] = []
+        rendered = self._render(lines, rejects)
+        encoded = encode(self.tokenizer, [sample for _, sample in rendered])
+        rows: list[tuple[np.ndarray, np.ndarray, str]] = []
+        truncated = 0
+        for (source, _), result in zip(rendered, encoded, strict=True):
+            if not isinstance(result, RecordError):
+                ids, mask = result
+                result = self._fit(ids, mask)
+                truncated += not isinstance(result, RecordError) and len(result[0]) < len(ids)
+            if isinstance(result, RecordError):
+                rejects.append((source, str(result)))
+                continue
+            rows.append((*result, source))
+        counts = {
+            "records": len(lines),
+            "samples": len(rows),
+            "rejected": len(rejects),
+            "truncated": truncated,
+            "tokens": int(sum(len(r[0]) for r in rows)),
+            "loss_tokens": int(sum(int(r[1].sum()) for r in rows)),
+        }
+        return ShardResult(
+            index=index,
+            data=stream_bytes(record_batch(rows)),
+            counts=counts,
+            rejects=rejects,
+            cpu_seconds=time.process_time() - started,
+        )
+
+    def _render(
+        self, lines: list[tuple[str, bytes]], rejects: list[tuple[str, str]]
+    ) -> list[tuple[str, RenderedSample]]:
+        """(source, sample) for every sample of the good records; bad ones go to `rejects`."""
         rendered = []
         for source, raw in lines:
             try:
@@ -255,42 +285,20 @@ class ShardProcessor:
                 (source if k == len(samples) - 1 else f"{source}#{s.turn}", s)
                 for k, s in enumerate(samples)
             ]
-        rows: list[tuple[np.ndarray, np.ndarray, str]] = []
-        truncated = 0
-        for (source, _), encoded in zip(
-            rendered, encode(self.tokenizer, [s for _, s in rendered]), strict=True
-        ):
-            if isinstance(encoded, RecordError):
-                rejects.append((source, str(encoded)))
-                continue
-            ids, mask = encoded
-            limit = self.job.max_length
-            if limit is not None and len(ids) > limit:
-                if self.job.overlong == "drop":
-                    rejects.append((source, f"{len(ids)} tokens, over --max-length {limit}"))
-                    continue
-                ids, mask = ids[:limit], mask[:limit]
-                if not mask.any():
-                    rejects.append((source, f"no trained token within --max-length {limit}"))
-                    continue
-                truncated += 1
-            rows.append((ids, mask, source))
-        batch = record_batch(rows)
-        counts = {
-            "records": len(lines),
-            "samples": len(rows),
-            "rejected": len(rejects),
-            "truncated": truncated,
-            "tokens": int(sum(len(r[0]) for r in rows)),
-            "loss_tokens": int(sum(int(r[1].sum()) for r in rows)),
-        }
-        return ShardResult(
-            index=index,
-            data=stream_bytes(batch),
-            counts=counts,
-            rejects=rejects,
-            cpu_seconds=time.process_time() - started,
-        )
+        return rendered
+
+    def _fit(
+        self, ids: np.ndarray, mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | RecordError:
+        """Apply --max-length and --overlong to one sample."""
+        limit = self.job.max_length
+        if limit is None or len(ids) <= limit:
+            return ids, mask
+        if self.job.overlong == "drop":
+            return RecordError(f"{len(ids)} tokens, over --max-length {limit}")
+        if not mask[:limit].any():
+            return RecordError(f"no trained token within --max-length {limit}")
+        return ids[:limit], mask[:limit]
 
 
 _PROCESSOR: ShardProcessor | None = None
@@ -337,98 +345,6 @@ class _PoolExecutor:
 
     def shutdown(self) -> None:
         self.pool.shutdown(cancel_futures=True)
-
-
-# -- the output directory --------------------------------------------------------------------
-
-
-class _Workspace:
-    """OUT and its resume state in OUT/.work (settings + one marker per finished shard)."""
-
-    def __init__(self, output: str, settings: dict[str, Any], *, overwrite: bool) -> None:
-        self.output = output
-        self.work = storage.join(output, WORK)
-        self.fs, self.path = storage.filesystem(output)
-        settings_url = storage.join(self.work, "settings.json")
-        if self.fs.exists(self.path) and self.fs.ls(self.path):
-            ours = storage.exists(settings_url) or storage.exists(storage.join(output, MANIFEST))
-            if not ours:
-                raise FileExistsError(
-                    f"output {output!r} exists and is not a flashdraft dataset; choose a new "
-                    "or empty directory"
-                )
-            same = storage.exists(settings_url) and storage.read_json(settings_url) == settings
-            if not same:
-                if not overwrite:
-                    raise FileExistsError(
-                        f"output {output!r} holds a dataset prepared with other settings "
-                        "(tokenizer, thinking, turns, max length or shard size); pass "
-                        "--overwrite to replace it, or choose another --output"
-                    )
-                self.fs.rm(self.path, recursive=True)
-        storage.makedirs(self.work)
-        storage.write_json_atomic(settings_url, settings)
-        self.markers: dict[int, dict[str, Any]] = {}
-        for path in self.fs.glob(storage.join(self.work, "shard-*.json")):
-            with self.fs.open(path, "rb") as f:
-                marker = json.load(f)
-            self.markers[int(marker["index"])] = marker
-
-    def _url(self, name: str) -> str:
-        return storage.join(self.output, name)
-
-    def finished(self, shard: _Shard) -> dict[str, Any] | None:
-        marker = self.markers.get(shard.index)
-        if (
-            marker
-            and marker["digest"] == shard.digest
-            and storage.exists(self._url(marker["file"]))
-        ):
-            return marker
-        return None
-
-    def save(self, result: ShardResult, shard: _Shard) -> dict[str, Any]:
-        name = f"{WORK}/shard-{result.index:05d}.arrow"
-        storage.write_bytes_atomic(self._url(name), result.data)
-        marker = {
-            "index": result.index,
-            "digest": shard.digest,
-            "file": name,
-            "sha256": hashlib.sha256(result.data).hexdigest(),
-            "counts": result.counts,
-            "rejects": result.rejects,
-        }
-        # The marker is written last: a shard without one is redone on resume.
-        self._write_marker(marker)
-        return marker
-
-    def _write_marker(self, marker: dict[str, Any]) -> None:
-        storage.write_json_atomic(self._url(f"{WORK}/shard-{marker['index']:05d}.json"), marker)
-        self.markers[int(marker["index"])] = marker
-
-    def finalize(self, markers: list[dict[str, Any]]) -> list[str]:
-        """Move shards to their `data-i-of-N.arrow` names, drop stale files, write the layout."""
-        names = [data_file_name(i, len(markers)) for i in range(len(markers))]
-        for marker, name in zip(markers, names, strict=True):
-            if marker["file"] != name:
-                self.fs.mv(self._url(marker["file"]), self._url(name))
-                marker["file"] = name
-                self._write_marker(marker)
-        keep = set(names)
-        for path in self.fs.glob(self._url("data-*-of-*.arrow")):
-            if os.path.basename(path) not in keep:
-                self.fs.rm(path)
-        for index in [i for i in self.markers if i >= len(markers)]:
-            self.fs.rm(self._url(f"{WORK}/shard-{index:05d}.json"))
-            del self.markers[index]
-        rejects = "".join(
-            json.dumps({"source": source, "reason": reason}) + "\n"
-            for marker in markers
-            for source, reason in marker["rejects"]
-        )
-        storage.write_text_atomic(self._url(REJECTS), rejects)
-        write_layout(self.output, names, fingerprint(m["sha256"] for m in markers))
-        return names
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -479,7 +395,7 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
     tokenizer = load_tokenizer(config.tokenizer)
     ChatTemplate(tokenizer, TemplateOptions(thinking=config.thinking, turns=config.turns)).check()
     tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
-    workspace = _Workspace(
+    workspace = ShardStore(
         config.output, _settings(config, tokenizer_sha256), overwrite=config.overwrite
     )
     inputs = _Inputs(files)
@@ -568,7 +484,7 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
 def _process(
     config: PrepareConfig,
     inputs: _Inputs,
-    workspace: _Workspace,
+    workspace: ShardStore,
     job: _Job,
     workers: int,
     tokenizer: Any,
@@ -599,7 +515,9 @@ def _process(
         if future is not None:
             result = future.result()
             cpu += result.cpu_seconds
-            marker = workspace.save(result, shard)
+            marker = workspace.save(
+                result.index, shard.digest, result.data, result.counts, result.rejects
+            )
         else:
             reused += 1
         assert marker is not None
@@ -611,7 +529,7 @@ def _process(
 
     try:
         for shard in inputs.shards(config.shard_size):
-            marker = workspace.finished(shard)
+            marker = workspace.finished(shard.index, shard.digest)
             future = None
             if marker is None:
                 if executor is None:

@@ -16,22 +16,23 @@ before the content is an empty reasoning block is also asked of the template: re
 turn with a probe reasoning must give the same text plus the probe. The full text is then
 tokenized once with offsets, and a token is trained iff it starts inside a trained span.
 
-Speed. Rendering every prefix costs O(turns²) template calls (a 500-message chat would take
-seconds with Qwen3's template). With `turns="all"`, each turn is therefore rendered in its
-*local* context (system message + the messages since the last user turn), and its trained
-text must then appear verbatim in the full rendering at the place where the template put
-that turn's content (found by rendering the conversation once more with private-use
-markers around assistant contents). Anything that does not verify falls back to
-full-context prefix rendering, the reference behaviour, so the fast path never changes
-what is trained; a test checks both paths agree.
+Speed. Rendering every prefix costs O(turns²) template calls (a 500-message chat takes
+seconds with Qwen3's template). With `turns="all"` the full conversation is rendered once
+more with private-use markers around assistant contents, which gives where the template
+put each turn's content; a turn's trained text must then appear verbatim around that
+position. It is taken, cheapest first, from a cached rendering of a turn of the same shape
+with probe content (the real content and reasoning inserted), or from the turn rendered in
+a short local context (system message, a placeholder user turn, the tool messages since
+the last user turn). Anything that does not verify falls back to full-context prefix
+rendering, the reference; tests check that the paths agree on real chats.
 
 Templates that rewrite earlier turns. Qwen3 drops the reasoning of assistant turns before
 the last user query, so the full rendering does not contain the think block those turns
 had when they were generated. Policy: a turn is trained in the full-conversation sample
 only if its exact trained text appears there; otherwise it gets its own sample, the
 conversation rendered up to and including that turn (as the target saw it when it
-generated the turn), in which only that turn is trained. With reasoning kept, a Qwen3
-conversation with n reasoning turns thus becomes n samples; without reasoning it stays one.
+generated the turn), in which only that turn is trained. With reasoning kept, a Qwen3 chat
+of n question-answer rounds with reasoning becomes n samples; without reasoning it is one.
 Each turn is trained exactly once. The context before a turn may differ from the prompt of
 that turn only in untrained template text (Qwen3 renders no empty think block in history).
 
@@ -111,6 +112,10 @@ class _Turn:
     start: int  # trained span [start, end) in text
     end: int
     content: int  # where the turn's content starts in text
+
+    def sample(self, turn: int) -> RenderedSample:
+        """This turn alone as a training sample, ending with its last trained token."""
+        return RenderedSample(text=self.text[: self.end], spans=[(self.start, self.end)], turn=turn)
 
     def place(self, text: str, content_at: int) -> tuple[int, int] | None:
         """The same trained text inside `text`, aligned on the content; None if absent."""
@@ -244,44 +249,55 @@ class ChatTemplate:
         last = trained[-1]
         messages = messages[: last + 1]
         if len(trained) == 1:
-            turn = self._turn(messages[:last], messages[last], tools)
-            return [
-                RenderedSample(
-                    text=turn.text[: turn.end], spans=[(turn.start, turn.end)], turn=last
-                )
-            ]
+            return [self._turn(messages[:last], messages[last], tools).sample(last)]
 
         text = self.render(messages, tools=tools)
         content_at = self._content_positions(messages, text, tools)
         spans: list[tuple[int, int]] = []
-        split: list[RenderedSample] = []
+        samples: list[RenderedSample] = []
         for i in trained:
-            span = None
-            if content_at is not None:
-                context = self._local_context(messages, i)
-                span = self._predict(text, content_at[i], context, messages[i], tools)
-                if span is None:
-                    prompt = self._prompt(context, tools)
-                    local = self._turn(context, messages[i], tools, prompt=prompt)
-                    span = local.place(text, content_at[i])
-            if span is None:
-                full = self._turn(messages[:i], messages[i], tools)
-                if content_at is not None:
-                    span = full.place(text, content_at[i])
-                else:
-                    span = self._find(text, messages[:i], full, tools)
-                if span is None:
-                    split.append(
-                        RenderedSample(
-                            text=full.text[: full.end], spans=[(full.start, full.end)], turn=i
-                        )
-                    )
-                    continue
-            spans.append(span)
-            kept = i
+            found = self._locate(text, content_at, messages, i, tools)
+            if isinstance(found, _Turn):  # rewritten in the full text: a sample of its own
+                samples.append(found.sample(i))
+            elif spans and found[0] < spans[-1][1]:
+                raise RecordError("the chat template renders assistant turns out of order")
+            else:
+                spans.append(found)
+                kept = i
         if spans:
-            split.append(RenderedSample(text=text[: spans[-1][1]], spans=spans, turn=kept))
-        return split
+            samples.append(RenderedSample(text=text[: spans[-1][1]], spans=spans, turn=kept))
+        return samples
+
+    def _locate(
+        self,
+        text: str,
+        content_at: dict[int, int] | None,
+        messages: list[dict[str, Any]],
+        index: int,
+        tools: list[dict[str, Any]] | None,
+    ) -> tuple[int, int] | _Turn:
+        """The trained span of turn `index` in the full `text`, or, when `text` does not
+        hold it, the turn rendered in its full context (to become a sample of its own).
+
+        Cheapest first: a cached turn shape, the turn in its local context, then the full
+        prefix rendering, which is the reference the other two must agree with.
+        """
+        message = messages[index]
+        if content_at is not None:
+            context = self._local_context(messages, index)
+            span = self._predict(text, content_at[index], context, message, tools)
+            if span is not None:
+                return span
+            local = self._turn(context, message, tools, prompt=self._prompt(context, tools))
+            span = local.place(text, content_at[index])
+            if span is not None:
+                return span
+        full = self._turn(messages[:index], message, tools)
+        if content_at is not None:
+            span = full.place(text, content_at[index])
+        else:
+            span = self._find(text, messages[:index], full, tools)
+        return full if span is None else span
 
     def _predict(
         self,

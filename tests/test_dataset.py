@@ -109,3 +109,26 @@ def test_clear_errors_for_what_is_not_a_prepared_dataset(tmp_path: Path) -> None
         open_dataset(str(tmp_path / "bad"))
     manifest = json.loads((tmp_path / "bad" / "manifest.json").read_text())
     assert manifest["format"] == "flashdraft-prepared-dataset"
+
+
+def test_shard_store_resumes_only_matching_shards(tmp_path: Path) -> None:
+    from flashdraft.dataset import ShardStore, record_batch, stream_bytes
+
+    out = str(tmp_path / "out")
+    settings = {"tokenizer": "abc", "turns": "all"}
+    store = ShardStore(out, settings, overwrite=False)
+    written = rows(6)
+    for index in range(2):
+        data = stream_bytes(record_batch(written[3 * index : 3 * index + 3]))
+        store.save(index, f"digest-{index}", data, {"samples": 3}, [("x.jsonl:9", "bad")])
+    names = store.finalize([store.markers[0], store.markers[1]])
+    assert names == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    assert (tmp_path / "out" / "rejects.jsonl").read_text().count("x.jsonl:9") == 2
+
+    again = ShardStore(out, settings, overwrite=False)
+    assert again.finished(0, "digest-0") is not None
+    assert again.finished(1, "changed input") is None
+    with pytest.raises(FileExistsError, match="other settings"):
+        ShardStore(out, {**settings, "turns": "last"}, overwrite=False)
+    ShardStore(out, {**settings, "turns": "last"}, overwrite=True)
+    assert not (tmp_path / "out" / names[0]).exists()

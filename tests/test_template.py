@@ -222,6 +222,18 @@ def test_qwen3_tool_turns(qwen3: Any) -> None:
     )
 
 
+def test_reasoning_the_template_reformats_is_still_found(qwen3: Any) -> None:
+    # Qwen3 strips newlines around reasoning: the cached turn shape (reasoning inserted
+    # verbatim) does not match, so the turn is rendered; the result must not change.
+    record = tool_record()
+    record["messages"][1]["reasoning_content"] = "\nneed tool\n\n"
+    record["messages"][1]["content"] = "Let me check."
+    template = ChatTemplate(qwen3, TemplateOptions(thinking="keep"))
+    (sample,) = template.samples(parse_record(record), TOOLS)
+    assert [sample.text[a:b] for a, b in sample.spans] == reference_trained(qwen3, record, "keep")
+    assert sample.text[sample.spans[0][0] :].startswith("<think>\nneed tool\n</think>\n\nLet me")
+
+
 def test_smollm2_multi_turn_masks(smollm2: Any) -> None:
     pieces = [
         (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
@@ -246,15 +258,18 @@ def reference_trained(tokenizer: Any, record: dict[str, Any], thinking: str) -> 
     """Every assistant turn's trained text by plain prefix rendering of the full context."""
     template = ChatTemplate(tokenizer, TemplateOptions(thinking=thinking))
     messages = template.messages(parse_record(record))
+    tools = record.get("tools")
     extra = {"enable_thinking": False} if thinking == "off" else {}
     out = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         prompt = tokenizer.apply_chat_template(
-            messages[:i], add_generation_prompt=True, tokenize=False, **extra
+            messages[:i], tools=tools, add_generation_prompt=True, tokenize=False, **extra
         )
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **extra)
+        full = tokenizer.apply_chat_template(
+            messages[: i + 1], tools=tools, tokenize=False, **extra
+        )
         assert full.startswith(prompt)
         turn = full[len(prompt) :].rstrip()
         out.append(turn.removeprefix(EMPTY_THINK) if "reasoning_content" not in message else turn)
@@ -267,7 +282,8 @@ def test_fast_path_matches_reference_on_real_chats(
 ) -> None:
     tokenizer = request.getfixturevalue(name)
     template = ChatTemplate(tokenizer, TemplateOptions())
-    for record in chitchat_conversations(limit=40, seed=1):
+    records = [r for r in chitchat_conversations(seed=1) if len(r["messages"]) <= 24][:30]
+    for record in records:
         samples = template.samples(parse_record(record))
         assert len(samples) == 1
         (sample,) = samples
