@@ -226,6 +226,8 @@ def parse_line(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise RecordError(f"malformed JSON: {err.msg} at column {err.colno}") from None
+    except RecursionError:
+        raise RecordError("JSON nested too deeply") from None
 
 
 def read_records(url: str) -> Iterator[tuple[str, Any]]:

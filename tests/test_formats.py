@@ -114,6 +114,8 @@ def test_bad_lines() -> None:
         parse_line(b'{"a": "\xff"}')
     with pytest.raises(RecordError, match="malformed JSON"):
         parse_line(b'{"a": ')
+    with pytest.raises(RecordError, match="nested too deeply"):
+        parse_line(b"[" * 100_000 + b"]" * 100_000)
 
 
 def _lines() -> list[bytes]:

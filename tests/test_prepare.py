@@ -320,12 +320,24 @@ def test_rewritten_turns_get_their_own_samples(tmp_path: Path, qwen3_tokenizer_d
     assert result.manifest["counts"]["records"] == 2
 
 
-def test_fsspec_url_inputs(tmp_path: Path, smollm2_dir: Path) -> None:
+def test_fsspec_urls_for_inputs_and_output(tmp_path: Path, smollm2_dir: Path) -> None:
     with fsspec.open("memory://flashdraft-prepare/in/chats.jsonl", "wb") as f:
         f.write(lines([chat(i) for i in range(12)]))
-    result = run(config(["memory://flashdraft-prepare/in/*.jsonl"], smollm2_dir, tmp_path / "out"))
+    out = "memory://flashdraft-prepare/out"
+    cfg = PrepareConfig(
+        inputs=["memory://flashdraft-prepare/in/*.jsonl"],
+        tokenizer=str(smollm2_dir),
+        output=out,
+        workers=1,
+        shard_size=5,
+        progress=False,
+        preview=0,
+    )
+    result = run(cfg)
     assert result.manifest["inputs"][0]["url"] == "memory:///flashdraft-prepare/in/chats.jsonl"
     assert result.manifest["counts"]["samples"] == 12
+    assert open_dataset(out).source(11) == "memory:///flashdraft-prepare/in/chats.jsonl:12"
+    assert run(cfg).reused_shards == 3
     with pytest.raises(FileNotFoundError, match="matched no data files"):
         run(config(["memory://flashdraft-prepare/none/*.jsonl"], smollm2_dir, tmp_path / "out2"))
 
