@@ -394,6 +394,8 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
     files = storage.expand_inputs(config.inputs)
     tokenizer = load_tokenizer(config.tokenizer)
     ChatTemplate(tokenizer, TemplateOptions(thinking=config.thinking, turns=config.turns)).check()
+    if config.thinking == "off" and "enable_thinking" not in str(tokenizer.chat_template):
+        log("note: the chat template has no enable_thinking switch; --thinking off acts as strip")
     tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
     workspace = ShardStore(
         config.output, _settings(config, tokenizer_sha256), overwrite=config.overwrite
@@ -415,49 +417,14 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
     process_seconds = time.perf_counter() - process_started
 
     names = workspace.finalize(markers)
-    counts = {
-        k: sum(m["counts"][k] for m in markers)
-        for k in ("records", "samples", "rejected", "truncated", "tokens", "loss_tokens")
-    }
-    reasons = Counter(_reason_kind(r) for m in markers for _, r in m["rejects"])
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "status": "checking",
-        "created_by": f"flashdraft {__version__}",
-        "inputs": inputs.records,
-        "tokenizer": {"name": _tokenizer_name(config.tokenizer), "sha256": tokenizer_sha256},
-        "options": {
-            "thinking": config.thinking,
-            "turns": config.turns,
-            "max_length": config.max_length,
-            "overlong": config.overlong,
-            "seed": config.seed,
-            "shard_size": config.shard_size,
-            "max_reject_rate": config.max_reject_rate,
-            "allow_degenerate": config.allow_degenerate,
-            "thresholds": asdict(config.thresholds),
-        },
-        "counts": counts,
-        "rejected_by_reason": dict(reasons.most_common()),
-        "data_files": names,
-    }
+    manifest = _manifest(config, inputs, tokenizer_sha256, markers, names)
     manifest_url = storage.join(config.output, MANIFEST)
     # Written before the checks so that a crash in them never leaves a "complete" dataset.
     storage.write_json_atomic(manifest_url, manifest)
 
     dataset = open_dataset(config.output, require_complete=False)
     audit = audit_dataset(dataset, tokenizer, config.thresholds)
-    problems = []
-    rate = counts["rejected"] / max(counts["records"], 1)
-    if rate > config.max_reject_rate:
-        common = "; ".join(f"{n:,} x {kind}" for kind, n in reasons.most_common(3))
-        problems.append(
-            f"{counts['rejected']:,} of {counts['records']:,} records ({rate:.1%}) were rejected, "
-            f"more than --max-reject-rate {config.max_reject_rate:g}. Most common: {common}. "
-            f"Each is listed in {storage.join(config.output, REJECTS)}; fix the input or raise "
-            "--max-reject-rate."
-        )
+    problems = _reject_problems(config, manifest)
     if audit.problems and config.allow_degenerate and audit.samples:
         manifest["warnings"] = audit.problems
     else:
@@ -479,6 +446,56 @@ def prepare(config: PrepareConfig, *, log: Callable[[str], None] = print) -> Pre
         worker_cpu_seconds=worker_cpu,
         reused_shards=reused,
     )
+
+
+def _manifest(
+    config: PrepareConfig,
+    inputs: _Inputs,
+    tokenizer_sha256: str,
+    markers: list[dict[str, Any]],
+    data_files: list[str],
+) -> dict[str, Any]:
+    """The record of what was prepared from what, and how; `status` is set by the checks."""
+    keys = ("records", "samples", "rejected", "truncated", "tokens", "loss_tokens")
+    reasons = Counter(_reason_kind(r) for m in markers for _, r in m["rejects"])
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "status": "checking",
+        "created_by": f"flashdraft {__version__}",
+        "inputs": inputs.records,
+        "tokenizer": {"name": _tokenizer_name(config.tokenizer), "sha256": tokenizer_sha256},
+        "options": {
+            "thinking": config.thinking,
+            "turns": config.turns,
+            "max_length": config.max_length,
+            "overlong": config.overlong,
+            "seed": config.seed,
+            "shard_size": config.shard_size,
+            "max_reject_rate": config.max_reject_rate,
+            "allow_degenerate": config.allow_degenerate,
+            "thresholds": asdict(config.thresholds),
+        },
+        "counts": {k: sum(m["counts"][k] for m in markers) for k in keys},
+        "rejected_by_reason": dict(reasons.most_common()),
+        "data_files": data_files,
+    }
+
+
+def _reject_problems(config: PrepareConfig, manifest: dict[str, Any]) -> list[str]:
+    counts = manifest["counts"]
+    rate = counts["rejected"] / max(counts["records"], 1)
+    if rate <= config.max_reject_rate:
+        return []
+    common = "; ".join(
+        f"{n:,} x {kind}" for kind, n in list(manifest["rejected_by_reason"].items())[:3]
+    )
+    return [
+        f"{counts['rejected']:,} of {counts['records']:,} records ({rate:.1%}) were rejected, "
+        f"more than --max-reject-rate {config.max_reject_rate:g}. Most common: {common}. "
+        f"Each is listed in {storage.join(config.output, REJECTS)}; fix the input or raise "
+        "--max-reject-rate."
+    ]
 
 
 def _process(
