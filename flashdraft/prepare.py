@@ -180,7 +180,7 @@ class _Inputs:
             self.records.append(
                 {
                     "url": url,
-                    "bytes": hashing.bytes,
+                    "size": hashing.bytes,
                     "sha256": hashing.sha256.hexdigest(),
                     "records": records,
                 }
