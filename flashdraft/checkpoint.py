@@ -162,7 +162,9 @@ def save_checkpoint(
         get_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # No cpu_offload: with it only global rank 0 receives the state, but the writer is the
+    # first drafter replica, which in the split placement is not rank 0.
+    options = StateDictOptions(full_state_dict=True)
     # The DCP helpers return loosely typed nested dicts; we only store tensors and JSON.
     model_sd: dict[str, Tensor] = dict(get_model_state_dict(drafter, options=options))  # type: ignore[arg-type]
     optim_sd: Any = get_optimizer_state_dict(drafter, optimizer, options=options)

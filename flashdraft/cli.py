@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # User mistakes surface as these; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 
 
 def _usage() -> str:
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if os.environ.get("FLASHDRAFT_DEBUG"):
             raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"flashdraft {name}: error: {message}", file=sys.stderr)
+        print(f"flashdraft {name}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -6,8 +6,12 @@ Accepted record shapes (one JSON object per line):
   "reasoning_content": ...}, ...]}`; assistant thinking either in `reasoning_content`
   (or `reasoning`) or inline as `<think>...</think>` at the start of `content`.
 * ShareGPT `conversations`: `{"conversations": [{"from": "human|gpt|system|tool", "value": ...}]}`.
-* prompt/completion: `{"prompt": str | messages, "completion" | "response": str,
-  "reasoning": str?, "system": str?}`, e.g. a target's regenerated completions.
+* prompt/completion: `{"prompt": str | messages, "completion" | "response": str | messages,
+  "reasoning": str?, "system": str?}`, e.g. a target's regenerated completions (a list
+  completion is TRL's conversational form: the assistant and tool turns that follow).
+
+A record may also carry `tools` (function schemas) for the chat template: `record_tools`.
+Empty reasoning (`""`, `<think>\n\n</think>`) is no reasoning: it is never trained.
 
 `read_conversations` yields `(source, conversation_or_error)` for every line, so a bad line is
 counted and reported (file:line and reason), never fatal and never silently dropped.
@@ -24,6 +28,7 @@ from typing import Any
 from flashdraft.storage import iter_lines
 
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -91,17 +96,17 @@ def _message(raw: Any, index: int) -> Message:
     if role not in ROLES:
         raise RecordError(f"message {index} has unknown or missing role {role!r}")
     content = _text(raw.get("content"), f"message {index}")
-    extra = {
-        k: v
-        for k, v in raw.items()
-        if k not in ("role", "content", "reasoning_content", "reasoning", "thinking")
-    }
-    reasoning = raw.get("reasoning_content", raw.get("reasoning", raw.get("thinking")))
+    extra = {k: v for k, v in raw.items() if k not in ("role", "content", *REASONING_KEYS)}
+    # The first non-null of the names in use (OpenAI-style dumps carry explicit nulls).
+    reasoning = next((raw[k] for k in REASONING_KEYS if raw.get(k) is not None), None)
     if reasoning is not None and not isinstance(reasoning, str):
         raise RecordError(f"message {index}: reasoning must be a string")
-    if role == "assistant" and reasoning is None:
-        reasoning, content = _split_think(content)
-    return Message(role, content, reasoning if role == "assistant" else None, extra)
+    if role == "assistant" and not (reasoning or "").strip():
+        inline, content = _split_think(content)
+        reasoning = reasoning if inline is None else inline
+    if role != "assistant" or (reasoning is not None and not reasoning.strip()):
+        reasoning = None
+    return Message(role, content, reasoning, extra)
 
 
 def _sharegpt(turns: Any) -> Conversation:
@@ -119,10 +124,7 @@ def _sharegpt(turns: Any) -> Conversation:
     return messages
 
 
-def _prompt_completion(record: dict[str, Any]) -> Conversation:
-    completion = record.get("completion", record.get("response"))
-    if completion is None:
-        raise RecordError("prompt record has no 'completion' or 'response'")
+def _prompt_messages(record: dict[str, Any]) -> Conversation:
     prompt = record["prompt"]
     if isinstance(prompt, str):
         messages = [Message("user", prompt)]
@@ -133,6 +135,16 @@ def _prompt_completion(record: dict[str, Any]) -> Conversation:
     system = record.get("system")
     if isinstance(system, str) and not (messages and messages[0].role == "system"):
         messages.insert(0, Message("system", system))
+    return messages
+
+
+def _prompt_completion(record: dict[str, Any]) -> Conversation:
+    completion = record.get("completion", record.get("response"))
+    if completion is None:
+        raise RecordError("prompt record has no 'completion' or 'response'")
+    messages = _prompt_messages(record)
+    if isinstance(completion, list):
+        return [*messages, *(_message(m, len(messages) + i) for i, m in enumerate(completion))]
     answer = _message(
         {
             "role": "assistant",
@@ -189,6 +201,21 @@ def parse_record(record: Any) -> Conversation:
     return validate(messages)
 
 
+def record_tools(record: Any) -> list[dict[str, Any]] | None:
+    """The function schemas a record offers the assistant (`tools`), for the chat template."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # some exports store the schema list as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise RecordError("'tools' is a string that is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RecordError("'tools' must be a list of function schemas")
+    return tools or None
+
+
 def parse_line(raw: bytes) -> Any:
     """Raw JSONL bytes -> JSON value; RecordError for bad UTF-8 or bad JSON."""
     try:
@@ -199,6 +226,8 @@ def parse_line(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise RecordError(f"malformed JSON: {err.msg} at column {err.colno}") from None
+    except RecursionError:
+        raise RecordError("JSON nested too deeply") from None
 
 
 def read_records(url: str) -> Iterator[tuple[str, Any]]:

@@ -7,6 +7,7 @@ suffix (`.gz`, `.zst`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import posixpath
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import fsspec
+import fsspec.compression
 from fsspec.core import url_to_fs
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst")
@@ -57,6 +59,16 @@ def _compression(url: str) -> str | None:
 def open_url(url: str, mode: str = "rb") -> Any:
     """An fsspec OpenFile (use as a context manager); compression inferred from the suffix."""
     return fsspec.open(url, mode, compression=_compression(url))
+
+
+def decompress(raw: IO[bytes], url: str) -> IO[bytes]:
+    """The decompressed bytes of an open raw stream, line-iterable; codec from `url`'s suffix."""
+    compression = _compression(url)
+    if compression is None:
+        return raw
+    stream: Any = fsspec.compression.compr[compression](raw, mode="rb")
+    # zstandard's reader cannot iterate lines; a buffer in front of it can.
+    return stream if isinstance(stream, io.BufferedIOBase) else io.BufferedReader(stream)  # type: ignore[return-value]
 
 
 def expand_inputs(inputs: Iterable[str], suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
@@ -130,7 +142,6 @@ def iter_lines(url: str) -> Iterator[tuple[int, bytes]]:
 
     Bytes, not str: invalid UTF-8 is the caller's to report per line, not a crash here.
     """
-    with open_url(url, "rb") as f:
-        stream: IO[bytes] = f
-        for number, line in enumerate(stream, start=1):
+    with fsspec.open(url, "rb") as f:
+        for number, line in enumerate(decompress(f, url), start=1):
             yield number, line.rstrip(b"\r\n")

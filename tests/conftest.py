@@ -34,3 +34,19 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from flashdraft.assets import tiny_qwen3
 
     return tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3") / "model")
+
+
+@pytest.fixture(scope="session")
+def qwen_data(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_dir: Path) -> Path:
+    """80 real chitchat conversations prepared with the Qwen3 tokenizer and template."""
+    from helpers import prepare_chitchat
+
+    return prepare_chitchat(tmp_path_factory.mktemp("data") / "qwen", tiny_qwen3_dir, 80)
+
+
+@pytest.fixture(scope="session")
+def smol_data(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """80 real chitchat conversations prepared with SmolLM2's tokenizer and template."""
+    from helpers import prepare_chitchat
+
+    return prepare_chitchat(tmp_path_factory.mktemp("data") / "smol", smollm2_dir, 80)

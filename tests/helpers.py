@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -50,3 +53,47 @@ def tiny_head(config: DrafterConfig, seed: int = 0, softcap: float | None = None
         embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=gen))
     weight = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.2
     return TargetHead(embedding=embedding, weight=weight, softcap=softcap)
+
+
+def prepare_chitchat(out: Path, tokenizer: Path, count: int) -> Path:
+    """A prepared dataset of `count` real chitchat conversations, through the CLI."""
+    from flashdraft import cli
+    from flashdraft.assets import chitchat_conversations
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    source = out.parent / f"{out.name}.jsonl"
+    with open(source, "w") as f:
+        for record in chitchat_conversations(count, seed=1):
+            f.write(json.dumps(record) + "\n")
+    args = ["prepare", str(source), "--tokenizer", str(tokenizer), "--output", str(out)]
+    assert cli.main([*args, "--workers", "1", "--no-progress"]) == 0
+    return out
+
+
+def train_settings(output: object, target: Path, data: Path, **extra: object) -> list[str]:
+    """`--set` arguments of a small, fast training run (override any key with `extra`)."""
+    values: dict[str, object] = {
+        "output": f'"{output}"',
+        "target.path": f'"{target}"',
+        "data.datasets": f'["{data}"]',
+        "data.row_tokens": 256,
+        "drafter.num_layers": 1,
+        "drafter.block_size": 8,
+        "loss.anchors": 24,
+        "loss.chunk_rows": 256,
+        "optim.lr": 1e-2,
+        "optim.warmup_steps": 3,
+        "optim.max_steps": 32,
+        "log.every": 4,
+        "log.progress": "false",
+        "checkpoint.every": 8,
+        **extra,
+    }
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -98,3 +98,32 @@ def test_packed_row_taps_and_labels_equal_documents_alone(smol) -> None:
         start += len(d)
     assert packed.requires_grad is False and not packed.is_inference()
     target.taps.remove()
+
+
+@pytest.mark.gpu
+def test_packed_flex_forward_on_cuda_equals_documents_alone(tiny_qwen3_dir) -> None:
+    """The CUDA target path (HF flex_attention + our document BlockMask, bf16)."""
+    model = load_target(str(tiny_qwen3_dir), "bfloat16", "flex_attention", "cuda")
+    target = Target(model, [1, 3, 5], backend="flex")
+    target.verify_taps()
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 151000, (n,), generator=gen) for n in (300, 500, 200)]
+    pad = 24
+    ids = torch.cat([*docs, torch.zeros(pad, dtype=torch.long)])[None].cuda()
+    positions = torch.cat([torch.arange(len(d)) for d in docs] + [torch.arange(pad)])[None].cuda()
+    doc_ids = torch.cat(
+        [torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((pad,), -1)]
+    )[None].cuda()
+    packed, _ = target.forward_packed(ids, positions, doc_ids, None)
+    start = 0
+    for d in docs:
+        n = len(d)
+        alone, _ = target.forward_packed(
+            d[None].cuda(),
+            torch.arange(n)[None].cuda(),
+            torch.zeros(1, n, dtype=torch.long).cuda(),
+            None,
+        )
+        rel = (packed[:, start : start + n].float() - alone.float()).norm() / alone.float().norm()
+        assert rel < 1e-2, float(rel)
+        start += n

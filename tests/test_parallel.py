@@ -1,0 +1,129 @@
+"""Two processes on CPU (gloo) under torchrun: the same loss curve as one process on the same
+global batch, in both placements, and resuming on a different world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import read_metrics, train_settings
+
+from flashdraft import cli
+
+COMPARED = ("loss", "tau_hat", "acc", "trained_slots", "tokens", "rows")
+
+
+def _torchrun(nproc: int, settings: list[str], *extra: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "flashdraft.cli",
+        "train",
+        *settings,
+        *extra,
+    ]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_qwen3_dir, qwen_data) -> list[dict]:
+    """The control: one process, two rows per step (grad_accum 2)."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    settings = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"optim.grad_accum": 2, "optim.max_steps": 8}
+    )
+    assert cli.main(["train", *settings]) == 0
+    return read_metrics(run)
+
+
+def _same_curve(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+@pytest.mark.parametrize(
+    ("placement", "extra"),
+    [
+        ("colocated", {"optim.grad_accum": 1}),  # 2 replicas x 1 row
+        (
+            "split",
+            {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
+        ),
+    ],
+)
+def test_two_processes_match_one_on_the_same_global_batch(
+    tmp_path, tiny_qwen3_dir, qwen_data, single, placement, extra
+) -> None:
+    run = tmp_path / placement
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, **extra})
+    _torchrun(2, settings)
+    _same_curve(read_metrics(run), single)
+    assert (run / "export" / "model.safetensors").exists()
+
+
+def test_resume_on_a_different_world_size(tmp_path, tiny_qwen3_dir, qwen_data, single) -> None:
+    """Checkpoints hold full state and a global row cursor: 2 processes -> 1 process."""
+    run = tmp_path / "run"
+    two = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 4, "checkpoint.every": 4}
+    )
+    _torchrun(2, two)
+    state = json.loads((run / "checkpoints" / "step_00000004" / "state.json").read_text())
+    assert state["cursor"] == 8 and state["dp_world"] == 2
+    # One process, two rows per step: the same global batch, so the same curve as the control.
+    one = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2}
+    )
+    assert cli.main(["train", *one, "--resume"]) == 0
+    _same_curve(read_metrics(run), single)
+
+
+def test_split_placement_needs_a_drafter_rank() -> None:
+    from flashdraft.parallel import DistInfo, assign_placement
+
+    info = DistInfo(rank=0, world=1, local_rank=0, device=__import__("torch").device("cpu"))
+    with pytest.raises(ValueError, match="target_ranks"):
+        assign_placement(info, "split", 1)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    ("placement", "extra"),
+    [
+        ("colocated", {"optim.grad_accum": 1}),
+        (
+            "split",
+            {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
+        ),
+    ],
+)
+def test_two_gpus_match_one_gpu_on_the_same_global_batch(
+    tmp_path, tiny_qwen3_dir, qwen_data, placement, extra
+) -> None:
+    """NCCL on 2 GPUs, bf16 target and autocast: the 1-GPU curve within bf16 noise."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cuda = {"device": '"cuda"', "optim.max_steps": 8, "optim.lr": 3e-3}
+    control = tmp_path / "one"
+    settings = train_settings(control, tiny_qwen3_dir, qwen_data, **{**cuda, "optim.grad_accum": 2})
+    assert cli.main(["train", *settings]) == 0
+    run = tmp_path / placement
+    _torchrun(2, train_settings(run, tiny_qwen3_dir, qwen_data, **{**cuda, **extra}))
+    got, want = read_metrics(run), read_metrics(control)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), a["step"]
+        assert a["tokens"] == b["tokens"] and a["trained_slots"] == b["trained_slots"]
