@@ -82,9 +82,12 @@ def environment() -> dict[str, Any]:
 
     commit = os.environ.get("FLASHDRAFT_COMMIT", "")
     try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+        )
     except OSError:
         commit = ""
     import transformers
