@@ -411,7 +411,8 @@ def run(args: argparse.Namespace) -> int:
     )
     target = load_target(args.target, dtype, args.attn_implementation, device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = load_drafter(args.drafter).to(device=device, dtype=DTYPES[dtype]).eval()
+    drafter = load_drafter(args.drafter, num_target_layers=len(decoder_layers(target)))
+    drafter = drafter.to(device=device, dtype=DTYPES[dtype]).eval()
     prompts = load_prompts(args.prompts, tokenizer, args.limit)
     report = evaluate_drafter(
         target,

@@ -21,7 +21,7 @@ from flashdraft.evaluate import (
     render_prompt,
     summarize,
 )
-from flashdraft.export import save_dflash
+from flashdraft.export import save_dflash, save_speculators
 from flashdraft.head import TargetHead
 from flashdraft.speculative import DecodeResult
 from flashdraft.step import DraftBatch, batch_normaliser, draft_loss
@@ -215,15 +215,22 @@ def test_eval_cli_writes_report_and_plot(tmp_path, tiny_qwen3_dir) -> None:
     target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
     drafter = DFlashDrafter(drafter_config_for(target, mask_token_id=151669, block_size=4))
     drafter.reset_parameters(seed=0)
-    save_dflash(drafter, str(tmp_path / "export"))
     save_drafter(str(tmp_path / "ckpt"), drafter)
+    save_speculators(drafter, str(tmp_path / "spec"), verifier=str(tiny_qwen3_dir))
+    # z-lab's published configs: transformers-4 rope fields, no layer_types, an auto_map.
+    save_dflash(drafter, str(tmp_path / "zlab"))
+    zlab = json.loads((tmp_path / "zlab" / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "use_sliding_window", "max_window_layers"):
+        zlab.pop(key)
+    zlab["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+    (tmp_path / "zlab" / "config.json").write_text(json.dumps(zlab))
     prompts = tmp_path / "prompts.jsonl"
     records = [
         {"id": "p0", "messages": [{"role": "user", "content": "Say hi"}]},
         {"id": "p1", "prompt": "The quick brown fox"},
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-    for source in ("export", "ckpt"):
+    for source in ("zlab", "spec", "ckpt"):  # our dflash export is the zlab one, unstripped
         out = tmp_path / f"{source}.json"
         argv = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / source)]
         argv += ["--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "12"]
