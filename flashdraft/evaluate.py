@@ -314,10 +314,12 @@ def _timing(spec: Sequence[DecodeResult], base: Sequence[DecodeResult]) -> dict[
     timing: dict[str, Any] = {
         "prefill_s": round(sum(r.prefill_s for r in spec), 4),
         "decode_s": round(sum(r.decode_s for r in spec), 4),
+        "decode_tokens": sum(len(r.output_ids) - 1 for r in spec),
         "time_per_output_token_ms": _tpot_ms(spec),
     }
     if base:
         timing["baseline_decode_s"] = round(sum(r.decode_s for r in base), 4)
+        timing["baseline_decode_tokens"] = sum(len(r.output_ids) - 1 for r in base)
         timing["baseline_time_per_output_token_ms"] = _tpot_ms(base)
     return timing
 

@@ -173,7 +173,7 @@ def eos_token_ids(model: nn.Module, tokenizer: Any = None) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else [int(i) for i in eos])
 
 
-def _cache_argument(model: nn.Module) -> str:
+def cache_argument(model: nn.Module) -> str:
     """transformers >= 5.2x calls the KV-cache argument `cache` (`past_key_values` is
     deprecated there); earlier 5.x releases only know `past_key_values`."""
     parameters = inspect.signature(model.forward).parameters
@@ -221,7 +221,7 @@ def decode(
     sampler = sampler or Sampler()
     target, drafter, taps = decoder.target, decoder.drafter, decoder.taps
     device = _model_device(target)
-    cache_arg = _cache_argument(target)
+    cache_arg = cache_argument(target)
     # A plain (non-sliding) cache layer per target layer, even for sliding-window targets:
     # those layers still mask by position, and only a full layer can be cropped after a
     # rejection once the window has been passed.
