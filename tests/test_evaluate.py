@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import drafter_config_for, tiny_config
+from helpers import drafter_config_for, tiny_config, tiny_llama
 
 from flashdraft import cli
 from flashdraft.blocks import label_positions, slot_weights
@@ -258,3 +258,22 @@ def test_eval_refuses_a_drafter_for_another_target(tmp_path, tiny_qwen3_dir, cap
     argv += ["--prompts", str(prompts), "--output", str(tmp_path / "r.json")]
     assert cli.main(argv) == 2
     assert "hidden size 32" in capsys.readouterr().err
+
+
+def test_sampling_eval_is_seeded_and_makes_no_lossless_claim() -> None:
+    target = tiny_llama(initializer_range=0.3)
+    drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
+    drafter.reset_parameters(seed=0)
+    prompts = [[5, 17, 3, 42], [8, 11, 29]]  # token ids: no tokenizer needed
+
+    def run(seed: int) -> dict:
+        return evaluate_drafter(
+            target, None, drafter, prompts, max_new_tokens=20, temperature=0.8, seed=seed
+        )
+
+    first, again, other = run(0), run(0), run(1)
+    outputs = [[p["output_ids"] for p in r["per_prompt"]] for r in (first, again, other)]
+    assert outputs[0] == outputs[1] != outputs[2]
+    assert "lossless" not in first and "lossless" not in first["per_prompt"][0]
+    assert first["settings"]["reference"] is False  # nothing to compare against on a CPU
+    assert first["per_prompt"][0]["text"] is None
