@@ -189,7 +189,7 @@ def evaluate_drafter(
         sampler = Sampler(temperature, generator)
         if not speculative:
             return decode(Decoder(target, eos_ids=eos), prompt.input_ids, new_tokens, sampler)
-        hooks = taps or LayerTaps(target, drafter.config.target_layer_ids)
+        hooks = taps if taps is not None else LayerTaps(target, drafter.config.target_layer_ids)
         try:
             decoder = Decoder(target, drafter, head, hooks, block_size=block, eos_ids=eos)
             return decode(decoder, prompt.input_ids, new_tokens, sampler)
