@@ -204,7 +204,9 @@ def _end_of_output(
     return tokens, False
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: an FSDP2-sharded target all-gathers its weights into buffers
+# that inference mode would mark read-only.
+@torch.no_grad()
 def decode(
     decoder: Decoder,
     prompt_ids: Sequence[int],
