@@ -88,13 +88,14 @@ def is_training_checkpoint(url: str) -> bool:
     return storage.exists(storage.join(url, "drafter_config.json"))
 
 
-def load_drafter(url: str) -> DFlashDrafter:
+def load_drafter(url: str, num_target_layers: int | None = None) -> DFlashDrafter:
     """A drafter from a training checkpoint, a run directory (its latest complete
-    checkpoint) or a serving-format directory (ours or a published z-lab drafter)."""
-    from flashdraft.export import load_dflash
+    checkpoint) or an exported directory (dflash or speculators layout; ours or a published
+    z-lab drafter). `num_target_layers` only completes a speculators config that lacks it."""
+    from flashdraft.export import load_exported
 
     if storage.exists(storage.join(url, "config.json")):
-        return load_dflash(url, dtype=torch.float32)
+        return load_exported(url, dtype=torch.float32, num_target_layers=num_target_layers)
     if not is_training_checkpoint(url):
         latest = latest_checkpoint(url)
         if latest is None:

@@ -1,14 +1,23 @@
-"""Serving format (SPEC section 6): what vLLM, SGLang and z-lab's `dflash` load unchanged.
+"""Export formats (SPEC section 6) and `flashdraft export`.
 
-`config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]`, `block_size`,
-`num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` and `layer_types`;
-`model.safetensors` holds bf16 weights under the drafter's bare parameter names (no
-embedding, no lm_head, no trainer prefixes). Loading accepts the same format, including
-drafters published by z-lab, for warm starts and for `flashdraft eval`.
+    flashdraft export CHECKPOINT --output DIR [--format dflash|speculators] [--verifier PATH]
+
+* `dflash` (default): what vLLM, SGLang and z-lab's `dflash` load unchanged. `config.json` is
+  a Qwen3 config with `architectures: ["DFlashDraftModel"]`, `block_size`,
+  `num_target_layers`, `dflash_config: {mask_token_id, target_layer_ids}` and `layer_types`;
+  `model.safetensors` holds bf16 weights under the drafter's bare parameter names (no
+  embedding, no lm_head, no trainer prefixes).
+* `speculators`: vLLM's `speculators` layout (see `to_speculators_config` for every field).
+  Same weights file; a config that wraps the Qwen3 layer config and names the verifier.
+
+Loading accepts both, including drafters published by z-lab, for warm starts and for
+`flashdraft eval`. Every export is reloaded and checked to give identical weights and outputs
+(`verify_export`) before it is reported as written.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from typing import Any
@@ -23,6 +32,19 @@ from flashdraft.drafter import DFlashDrafter, DraftCache
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
+FORMATS = ("dflash", "speculators")
+# Written as `speculators_version`; the first release with the DFlash algorithm (its docs
+# ask for speculators>=0.5.0). vLLM does not read the field.
+SPECULATORS_VERSION = "0.5.0"
+# Top-level serving-config keys that are not part of the draft layers' Qwen3 config; the
+# speculators layout carries their content in its own fields.
+_NOT_LAYER_CONFIG = (
+    "architectures",
+    "auto_map",
+    "block_size",
+    "dflash_config",
+    "num_target_layers",
+)
 
 
 def to_serving_config(config: DrafterConfig) -> dict[str, Any]:
@@ -129,12 +151,7 @@ def serving_state_dict(drafter: DFlashDrafter) -> dict[str, Tensor]:
 
 def save_dflash(drafter: DFlashDrafter, url: str) -> None:
     """Write config.json + model.safetensors to `url` (a directory; local or fsspec)."""
-    storage.makedirs(url)
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, WEIGHTS)
-        save_file(serving_state_dict(drafter), local, metadata={"format": "pt"})
-        with open(local, "rb") as f:
-            storage.write_bytes_atomic(storage.join(url, WEIGHTS), f.read())
+    _write_weights(drafter, url)
     storage.write_json_atomic(storage.join(url, "config.json"), to_serving_config(drafter.config))
 
 
@@ -160,7 +177,14 @@ def load_dflash(url: str, dtype: torch.dtype = torch.bfloat16) -> DFlashDrafter:
     config_url = storage.join(url, "config.json")
     if not storage.exists(config_url):
         raise FileNotFoundError(f"{url} has no config.json: not a DFlash serving directory")
-    config = from_serving_config(storage.read_json(config_url))
+    data = storage.read_json(config_url)
+    if "speculators_model_type" in data:
+        raise ValueError(f"{url} is a speculators export: load it with load_exported")
+    return _load_weights(from_serving_config(data), url).to(dtype)
+
+
+def _load_weights(config: DrafterConfig, url: str) -> DFlashDrafter:
+    """A drafter of `config` with the weights of `url`. Strict on names."""
     weights = _read_weights(url)
     drafter = DFlashDrafter(config)
     expected = set(drafter.state_dict())
@@ -172,16 +196,215 @@ def load_dflash(url: str, dtype: torch.dtype = torch.bfloat16) -> DFlashDrafter:
             f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}"
         )
     drafter.load_state_dict(weights)
-    return drafter.to(dtype)
+    return drafter
+
+
+def to_speculators_config(
+    config: DrafterConfig, verifier: str, verifier_architectures: list[str] | None = None
+) -> dict[str, Any]:
+    """The `speculators` config.json of a DFlash drafter, field by field.
+
+    Confirmed against speculators' `DFlashSpeculatorConfig` / `SpeculatorModelConfig`, its
+    z-lab -> speculators converter, and vLLM's `SpeculatorsConfig` loader and `update_dflash`
+    (vllm/transformers_utils/configs/speculators/):
+
+    * `speculators_model_type: "dflash"`: the key vLLM dispatches on (its algorithm registry)
+      and becomes vLLM's `method`.
+    * `architectures: ["DFlashDraftModel"]`: the speculators model class name (what its
+      `save_pretrained` writes); vLLM sets the same name on the draft config itself.
+    * `transformer_layer_config`: the draft layers' Qwen3 config; vLLM builds the draft
+      model's HF config from exactly this dict. We write the dflash serving config without
+      the keys that are not layer geometry (as speculators' converter does).
+    * `aux_hidden_state_layer_ids`: the tapped target layers in the speculators / vLLM
+      convention, z-lab id + 1 (vLLM maps back with `target_layer_ids = aux - 1`). vLLM
+      captures the *input* of a layer, so the last layer's output (z-lab id L - 1) cannot
+      be expressed: refused.
+    * `mask_token_id`, `block_size`, `draft_vocab_size` (= the target vocabulary: no
+      reduced draft vocabulary, so no `d2t`/`t2d` tensors), `target_hidden_size`.
+    * `sliding_window_non_causal: false`: sliding-window draft layers are causal inside the
+      block (SPEC section 2); full-attention layers are always bidirectional.
+    * `speculators_config`: `algorithm: "dflash"`, one `greedy` proposal method with
+      `speculative_tokens = block_size - 1` (the anchor slot is the bonus token, not a
+      draft), `default_proposal_method: "greedy"`, and `verifier: {name_or_path,
+      architectures}`; vLLM requires `proposal_methods[*].proposal_type`,
+      `speculative_tokens` and `verifier.name_or_path`, and serves the verifier named there.
+
+    Not confirmed: `speculators_version` (vLLM ignores it; the value is the first release
+    with DFlash), `verifier_accept_k` / `accept_tolerance` (greedy proposal defaults, 1 and
+    0.0, written explicitly), and whether releases other than the one read accept the file
+    unchanged. `num_target_layers` is a flashdraft addition (speculators configs allow
+    extra fields) so that a reload knows the target depth.
+    """
+    last = config.num_target_layers - 1
+    if last in config.target_layer_ids:
+        raise ValueError(
+            f"target layer {last} (the last one) is tapped, which the speculators layout cannot "
+            "express (vLLM captures layer inputs, so aux id = z-lab id + 1 would name a layer "
+            "that does not exist); export in the dflash format instead"
+        )
+    serving = to_serving_config(config)
+    layer_config = {k: v for k, v in serving.items() if k not in _NOT_LAYER_CONFIG}
+    return {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": config.block_size - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier,
+                "architectures": list(verifier_architectures or []),
+            },
+        },
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": config.vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "block_size": config.block_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "sliding_window_non_causal": False,
+        "num_target_layers": config.num_target_layers,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def check_speculators_config(data: dict[str, Any]) -> None:
+    """The structure vLLM validates before it loads a speculators drafter (ValueError)."""
+    spec = data.get("speculators_config")
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    problems = []
+    if data.get("speculators_model_type") != "dflash":
+        problems.append("speculators_model_type is not 'dflash'")
+    if not isinstance(methods, list) or not methods:
+        problems.append("speculators_config.proposal_methods is not a non-empty list")
+    elif not all(isinstance(m, dict) and "proposal_type" in m for m in methods):
+        problems.append("a proposal method has no proposal_type")
+    elif not isinstance(methods[0].get("speculative_tokens"), int):
+        problems.append("the proposal method has no speculative_tokens")
+    verifier = spec.get("verifier") if isinstance(spec, dict) else None
+    if not isinstance(verifier, dict) or not verifier.get("name_or_path"):
+        problems.append("speculators_config.verifier.name_or_path is missing")
+    if not isinstance(data.get("transformer_layer_config"), dict):
+        problems.append("transformer_layer_config is missing or not an object")
+    for key in ("aux_hidden_state_layer_ids", "mask_token_id"):
+        if data.get(key) is None:
+            problems.append(f"{key} is missing")
+    if problems:
+        raise ValueError("not a loadable speculators DFlash config: " + "; ".join(problems))
+
+
+def _verifier_config(name_or_path: str | None) -> dict[str, Any] | None:
+    """The verifier's config.json when it is a reachable directory, else None."""
+    if not name_or_path:
+        return None
+    url = storage.join(name_or_path, "config.json")
+    try:
+        found = storage.exists(url)
+    except (OSError, ValueError):
+        return None
+    return dict(storage.read_json(url)) if found else None
+
+
+def from_speculators_config(
+    data: dict[str, Any], num_target_layers: int | None = None
+) -> DrafterConfig:
+    """A DrafterConfig from a speculators DFlash config.json (ours or another trainer's).
+
+    The target depth comes from our `num_target_layers` field, else the verifier's local
+    config, else `num_target_layers` (the caller's target), else the smallest depth the taps
+    allow (max id + 1): speculators configs do not record it themselves.
+    """
+    check_speculators_config(data)
+    ids = [int(i) - 1 for i in data["aux_hidden_state_layer_ids"]]
+    verifier = data["speculators_config"]["verifier"].get("name_or_path")
+    depth = data.get("num_target_layers")
+    if depth is None:
+        verifier_config = _verifier_config(verifier)
+        if verifier_config is not None and "num_hidden_layers" in verifier_config:
+            depth = verifier_config["num_hidden_layers"]
+    depth = int(depth if depth is not None else (num_target_layers or max(ids) + 1))
+    block = data.get("block_size")
+    if block is None:
+        block = int(data["speculators_config"]["proposal_methods"][0]["speculative_tokens"]) + 1
+    serving = {
+        **data["transformer_layer_config"],
+        "architectures": [ARCHITECTURE],
+        "block_size": int(block),
+        "num_target_layers": depth,
+        "dflash_config": {"mask_token_id": int(data["mask_token_id"]), "target_layer_ids": ids},
+    }
+    config = from_serving_config(serving)
+    draft_vocab = data.get("draft_vocab_size")
+    if draft_vocab is not None and int(draft_vocab) != config.vocab_size:
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab} differs from the vocabulary {config.vocab_size}: "
+            "reduced draft vocabularies (d2t/t2d) are not supported"
+        )
+    return config
+
+
+def save_speculators(
+    drafter: DFlashDrafter, url: str, verifier: str, verifier_architectures: list[str] | None = None
+) -> None:
+    """Write the speculators layout: config.json + model.safetensors (bf16, bare names)."""
+    if verifier_architectures is None:
+        verifier_config = _verifier_config(verifier)
+        verifier_architectures = list((verifier_config or {}).get("architectures") or [])
+    config = to_speculators_config(drafter.config, verifier, verifier_architectures)
+    _write_weights(drafter, url)
+    storage.write_json_atomic(storage.join(url, "config.json"), config)
+
+
+def _write_weights(drafter: DFlashDrafter, url: str) -> None:
+    storage.makedirs(url)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, WEIGHTS)
+        save_file(serving_state_dict(drafter), local, metadata={"format": "pt"})
+        with open(local, "rb") as f:
+            storage.write_bytes_atomic(storage.join(url, WEIGHTS), f.read())
+
+
+def export_format(url: str) -> str:
+    """'dflash' or 'speculators': the layout of an exported folder."""
+    config_url = storage.join(url, "config.json")
+    if not storage.exists(config_url):
+        raise FileNotFoundError(f"{url} has no config.json: not an exported drafter")
+    return "speculators" if "speculators_model_type" in storage.read_json(config_url) else "dflash"
+
+
+def load_exported(
+    url: str, dtype: torch.dtype = torch.bfloat16, num_target_layers: int | None = None
+) -> DFlashDrafter:
+    """An exported drafter in either format (z-lab's published folders are `dflash`).
+
+    `num_target_layers` only fills in a speculators config that does not record the depth.
+    """
+    if export_format(url) == "dflash":
+        return load_dflash(url, dtype)
+    config = from_speculators_config(
+        storage.read_json(storage.join(url, "config.json")), num_target_layers
+    )
+    return _load_weights(config, url).to(dtype)
 
 
 def verify_export(drafter: DFlashDrafter, url: str, seed: int = 0) -> None:
-    """Reload `url` and check it gives the same weights and outputs as `drafter` in bf16.
+    """Reload `url` (either format) and check it gives the same weights and outputs as
+    `drafter` in bf16.
 
     Raises ValueError at the first mismatch: an export that an engine would load
     differently must never be reported as written.
     """
-    reloaded = load_dflash(url)
+    reloaded = load_exported(url)
+    if reloaded.config != drafter.config:
+        raise ValueError("export check failed: the reloaded config differs from the drafter's")
     expected = serving_state_dict(drafter)
     for name, tensor in reloaded.state_dict().items():
         if not torch.equal(tensor.cpu(), expected[name]):
@@ -201,3 +424,40 @@ def verify_export(drafter: DFlashDrafter, url: str, seed: int = 0) -> None:
         outputs.append(model.draft_block(cache, embeds.to(torch.bfloat16), ctx_len))
     if not torch.equal(outputs[0], outputs[1]):
         raise ValueError("export check failed: reloaded drafter gives different outputs")
+
+
+# ---- CLI ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint", help="training checkpoint, run directory (latest checkpoint) or export"
+    )
+    parser.add_argument("--output", required=True, help="directory to write (local or fsspec URL)")
+    parser.add_argument("--format", default="dflash", choices=FORMATS)
+    parser.add_argument(
+        "--verifier",
+        default=None,
+        help="the target's HF id or path, written into the speculators config (required there: "
+        "vLLM serves the verifier it names)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashdraft.checkpoint import load_drafter
+
+    if args.format == "speculators" and not args.verifier:
+        raise ValueError("--format speculators needs --verifier (the target's HF id or path)")
+    drafter = load_drafter(args.checkpoint)
+    if args.format == "dflash":
+        save_dflash(drafter, args.output)
+    else:
+        save_speculators(drafter, args.output, args.verifier)
+    verify_export(drafter, args.output)
+    config = drafter.config
+    print(
+        f"wrote {args.format} drafter to {args.output}: {config.num_hidden_layers} layers, "
+        f"B={config.block_size}, taps {config.target_layer_ids} (z-lab ids), "
+        f"mask token {config.mask_token_id}; reload check passed (identical weights and outputs)"
+    )
+    return 0

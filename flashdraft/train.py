@@ -471,6 +471,10 @@ class Trainer:
         )
         self.stopwatch = Stopwatch(self.device)
         self._remaining = (plan.total_steps - plan.start_step) * config.optim.grad_accum
+        # The same decision on every rank (logging is collective); only the logger evaluates.
+        self.eval_on = config.eval.every > 0 and self.target is not None
+        self.eval_prompts = self._eval_prompts()
+        self.best_tau = self._best_so_far()
         if self.placement.is_logger:
             self._announce()
 
@@ -497,6 +501,71 @@ class Trainer:
             ),
             flush=True,
         )
+
+    # ---- in-training eval: the real decode loop on held-out prompts ----
+
+    def _eval_prompts(self) -> list[Any]:
+        section = self.config.eval
+        if section.every <= 0:
+            return []
+        if section.prompts is None:
+            raise ValueError("eval.every > 0 needs eval.prompts (a JSONL file of held-out prompts)")
+        if not self.placement.is_logger:
+            return []
+        if self.target is None:
+            print(
+                "flashdraft train: in-training eval needs the target on the logging rank; with "
+                "the split placement it is skipped (run `flashdraft eval` on checkpoints)",
+                flush=True,
+            )
+            return []
+        from transformers import AutoTokenizer
+
+        from flashdraft.evaluate import load_prompts
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.target.path)
+        return load_prompts(section.prompts, self.tokenizer, limit=section.num_prompts)
+
+    def _best_so_far(self) -> float:
+        url = storage.join(self.run_dir, "best", "best.json")
+        if self.plan.resume_from is None or not storage.exists(url):
+            return float("-inf")
+        return float(storage.read_json(url)["eval_tau"])
+
+    def _evaluate(self) -> dict[str, Any]:
+        """eval_* fields for this step's record; keeps the best-by-tau serving export."""
+        from flashdraft.evaluate import evaluate_drafter
+
+        assert self.target is not None
+        # An eager bf16/fp32 copy: the decode context grows every step, which the compiled
+        # (static-shape) training layers must not see.
+        eager = DFlashDrafter(self.drafter_config)
+        eager.load_state_dict(self.drafter.state_dict())
+        eager.to(self.device, self.head.weight.dtype).eval()
+        report = evaluate_drafter(
+            self.target.model,
+            self.tokenizer,
+            eager,
+            self.eval_prompts,
+            max_new_tokens=self.config.eval.max_new_tokens,
+            reference=False,
+            taps=self.target.taps,
+        )
+        tau = float(report["tau"] or 1.0)
+        fields = {
+            "eval_tau": round(tau, 4),
+            "eval_per_position_acceptance": [
+                round(float(x), 4) for x in report["per_position_acceptance"]
+            ],
+        }
+        if tau > self.best_tau:
+            self.best_tau = tau
+            best = storage.join(self.run_dir, "best")
+            save_dflash(self.drafter, best)
+            storage.write_json_atomic(
+                storage.join(best, "best.json"), {"step": self.step, "eval_tau": tau}
+            )
+        return fields
 
     # ---- the step ----
 
@@ -583,12 +652,18 @@ class Trainer:
         interval.steps += 1
         return grad_norm
 
-    def _log(self, interval: Interval, grad_norm: Tensor, progress: Any) -> dict[str, Any]:
+    def _log(
+        self,
+        interval: Interval,
+        grad_norm: Tensor,
+        progress: Any,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         assert interval.stats is not None
-        extra = torch.tensor(
+        counts = torch.tensor(
             [interval.tokens, interval.rows], dtype=torch.float64, device=self.device
         )
-        flat = dp_all_reduce_sum(torch.cat([interval.stats.flat(), extra]), self.placement)  # sync
+        flat = dp_all_reduce_sum(torch.cat([interval.stats.flat(), counts]), self.placement)  # sync
         summary = BlockStats.from_flat(flat[:-2], self.block).summary()
         tokens, rows = int(flat[-2]), int(flat[-1])
         wall = time.perf_counter() - interval.started
@@ -609,6 +684,7 @@ class Trainer:
             "tokens": tokens,
             "trained_slots": summary["trained_tokens"],
             "blocks": summary["blocks"],
+            **(extra or {}),
         }
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping")
@@ -672,9 +748,11 @@ class Trainer:
                 config.checkpoint.every > 0 and self.step % config.checkpoint.every == 0
             )
             finished = self.step == self.total_steps
+            eval_now = self.eval_on and (self.step % config.eval.every == 0 or finished)
             # Log at every checkpoint too, so a resumed run logs exactly the same intervals.
-            if self.step % config.log.every == 0 or checkpoint_now or finished:
-                last_record = self._log(interval, grad_norm, progress)
+            if self.step % config.log.every == 0 or checkpoint_now or finished or eval_now:
+                extra = self._evaluate() if eval_now and self.placement.is_logger else {}
+                last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
             if checkpoint_now or finished:
                 self._checkpoint()

@@ -97,3 +97,54 @@ def train_settings(output: object, target: Path, data: Path, **extra: object) ->
 
 def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_llama(
+    vocab_size: int = 64,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    initializer_range: float = 0.02,
+    seed: int = 0,
+) -> nn.Module:
+    """A tiny random Llama target (frozen, eval mode) for decode-loop tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=initializer_range,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.eval().requires_grad_(False)
+
+
+def drafter_config_for(target: nn.Module, **overrides: object) -> DrafterConfig:
+    """Drafter geometry matching a tiny target (2 taps, last vocab id as MASK)."""
+    text = target.config
+    base: dict[str, object] = dict(
+        hidden_size=text.hidden_size,
+        intermediate_size=2 * text.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=text.hidden_size // 4,
+        vocab_size=text.vocab_size,
+        block_size=4,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=[1, text.num_hidden_layers - 2],
+        mask_token_id=text.vocab_size - 1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+    )
+    base.update(overrides)
+    return DrafterConfig(**base)  # type: ignore[arg-type]

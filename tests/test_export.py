@@ -5,12 +5,20 @@ import torch
 from helpers import tiny_config, tiny_drafter
 from safetensors.torch import load_file, save_file
 
+from flashdraft import cli
+from flashdraft.checkpoint import save_drafter, step_dir
 from flashdraft.drafter import DraftCache
 from flashdraft.export import (
+    check_speculators_config,
+    export_format,
     from_serving_config,
+    from_speculators_config,
     load_dflash,
+    load_exported,
     save_dflash,
+    save_speculators,
     to_serving_config,
+    to_speculators_config,
     verify_export,
 )
 
@@ -97,3 +105,100 @@ def test_not_a_drafter(tmp_path) -> None:
         load_dflash(str(tmp_path))
     with pytest.raises(FileNotFoundError):
         load_dflash(str(tmp_path / "missing"))
+
+
+# ---- vLLM speculators layout ----
+
+
+def test_speculators_config_fields() -> None:
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    data = to_speculators_config(config, "Qwen/Qwen3-8B", ["Qwen3ForCausalLM"])
+    check_speculators_config(data)
+    assert data["speculators_model_type"] == "dflash"
+    assert data["architectures"] == ["DFlashDraftModel"]
+    spec = data["speculators_config"]
+    assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [
+        {
+            "proposal_type": "greedy",
+            "speculative_tokens": 3,  # B - 1: the anchor slot carries the bonus token
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }
+    ]
+    assert spec["verifier"] == {
+        "name_or_path": "Qwen/Qwen3-8B",
+        "architectures": ["Qwen3ForCausalLM"],
+    }
+    # speculators / vLLM count aux layers one higher; vLLM maps back with aux - 1.
+    assert data["aux_hidden_state_layer_ids"] == [2, 4]
+    assert [i - 1 for i in data["aux_hidden_state_layer_ids"]] == config.target_layer_ids
+    layer = data["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2
+    assert layer["layer_types"] == ["sliding_attention", "full_attention"]
+    assert not {"dflash_config", "block_size", "architectures"} & set(layer)
+    assert data["mask_token_id"] == 96 and data["block_size"] == 4
+    assert data["draft_vocab_size"] == 97 and data["sliding_window_non_causal"] is False
+    assert from_speculators_config(json.loads(json.dumps(data))) == config
+
+
+def test_speculators_export_reload_gives_identical_weights_and_outputs(tmp_path) -> None:
+    drafter = tiny_drafter()
+    save_speculators(drafter, str(tmp_path), verifier="some/target")
+    weights = load_file(tmp_path / "model.safetensors")
+    assert set(weights) == set(drafter.state_dict())  # bare names, as vLLM expects
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    verify_export(drafter, str(tmp_path))
+    assert export_format(str(tmp_path)) == "speculators"
+    assert load_exported(str(tmp_path)).config == drafter.config
+    with pytest.raises(ValueError, match="speculators export"):
+        load_dflash(str(tmp_path))
+
+
+def test_verify_export_catches_a_corrupted_speculators_export(tmp_path) -> None:
+    drafter = tiny_drafter()
+    save_speculators(drafter, str(tmp_path), verifier="some/target")
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["aux_hidden_state_layer_ids"] = [1, 3]  # z-lab ids written unshifted: off by one
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="config differs"):
+        verify_export(drafter, str(tmp_path))
+
+
+def test_speculators_refuses_the_last_target_layer() -> None:
+    with pytest.raises(ValueError, match="last one"):
+        to_speculators_config(tiny_config(target_layer_ids=[1, 5]), "t")
+
+
+def test_speculators_config_of_another_trainer() -> None:
+    """No num_target_layers, no top-level block_size, a hub verifier we cannot read."""
+    data = to_speculators_config(tiny_config(), "Qwen/Qwen3-8B")
+    del data["num_target_layers"], data["block_size"]
+    config = from_speculators_config(data, num_target_layers=6)
+    assert config == tiny_config()
+    assert from_speculators_config(data).num_target_layers == 4  # lower bound: max id + 1
+    broken = {**data, "speculators_config": {"proposal_methods": []}}
+    with pytest.raises(ValueError, match="proposal_methods"):
+        from_speculators_config(broken)
+
+
+def test_export_cli_from_a_run_directory_in_both_formats(tmp_path, capsys) -> None:
+    drafter = tiny_drafter()
+    for step in (100, 200):
+        ckpt = step_dir(str(tmp_path / "run"), step)
+        save_drafter(ckpt, drafter if step == 200 else tiny_drafter(seed=5))
+        (tmp_path / ckpt / "COMPLETE").write_text("")
+    run = str(tmp_path / "run")
+    assert cli.main(["export", run, "--output", str(tmp_path / "dflash")]) == 0
+    assert "reload check passed" in capsys.readouterr().out
+    assert export_format(str(tmp_path / "dflash")) == "dflash"
+    assert torch.equal(
+        load_exported(str(tmp_path / "dflash")).fc.weight, drafter.fc.weight.to(torch.bfloat16)
+    )
+    argv = ["export", run, "--output", str(tmp_path / "spec"), "--format", "speculators"]
+    assert cli.main(argv) == 2
+    assert "--verifier" in capsys.readouterr().err
+    assert cli.main([*argv, "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 0
+    data = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert data["speculators_config"]["verifier"]["name_or_path"].endswith("SmolLM2-135M-Instruct")
+    verify_export(drafter, str(tmp_path / "spec"))

@@ -59,13 +59,30 @@ def test_trains_end_to_end_on_a_tiny_qwen3_with_the_real_qwen3_tokenizer(
     assert steps == ["step_00000016", "step_00000024", "step_00000032"]  # keep = 3
 
 
-def test_trains_end_to_end_on_real_smollm2(tmp_path, smollm2_dir, smol_data) -> None:
+def test_trains_end_to_end_on_real_smollm2_with_in_training_eval(
+    tmp_path, smollm2_dir, smol_data
+) -> None:
+    prompts = tmp_path / "held_out.jsonl"
+    with open(prompts, "w") as f:
+        for text in ("What is the capital of France?", "Name three colours."):
+            f.write(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
     run = tmp_path / "run"
-    settings = train_settings(
-        run, smollm2_dir, smol_data, **{"optim.lr": 2e-3, "optim.max_steps": 16}
-    )
-    assert cli.main(["train", *settings]) == 0
-    _learns(read_metrics(run))
+    extra = {
+        "optim.lr": 2e-3,
+        "optim.max_steps": 16,
+        "eval.every": 8,
+        "eval.prompts": f'"{prompts}"',
+        "eval.max_new_tokens": 12,
+    }
+    assert cli.main(["train", *train_settings(run, smollm2_dir, smol_data, **extra)]) == 0
+    records = read_metrics(run)
+    _learns(records)
+    evaluated = {r["step"]: r["eval_tau"] for r in records if "eval_tau" in r}
+    assert sorted(evaluated) == [8, 16]
+    assert all(1.0 <= tau <= 8.0 for tau in evaluated.values())
+    best = json.loads((run / "best" / "best.json").read_text())
+    assert best["eval_tau"] == max(evaluated.values())
+    assert (run / "best" / "model.safetensors").exists()
 
 
 def test_resume_after_a_kill_reproduces_the_uninterruptedread_metrics(

@@ -1,0 +1,455 @@
+"""`flashdraft eval`: real acceptance (tau) and speedup with the draft-and-verify loop.
+
+    flashdraft eval --target PATH --drafter PATH --prompts FILE --output REPORT.json
+
+Prompts are JSONL records with OpenAI `messages` (rendered with the target tokenizer's chat
+template and generation prompt; trailing assistant turns are dropped, so training
+conversations can serve as prompts), ShareGPT `conversations`, or a raw `prompt` string
+(tokenized as-is). The drafter may be a training checkpoint, a run directory, or an exported
+folder (ours in either format, or one published by z-lab).
+
+The report (JSON, with a PNG of per-position acceptance beside it) holds:
+
+* `tau`: mean over all verify steps of all prompts of the acceptance length (accepted + 1);
+* `acceptance_histogram`: entry i counts the steps with acceptance length i + 1 (i < B);
+* `per_position_acceptance`: entry k - 1 is the fraction of steps whose draft k was
+  accepted (k = 1..B-1), and `conditional_acceptance` the same given that draft k - 1 was;
+* `per_prompt`: `acceptance_lengths` (per step, in order), `tau`, `output_ids`, `text`, and
+  at T = 0 `lossless`: whether the output equals the target's own greedy decoding (the same
+  loop with B = 1 and no drafter, which tests prove equal to HF `generate`);
+* `speedup` (CUDA only): decode time per output token with B = 1 over that with B, on the
+  same prompts, prefill excluded; plus counts, settings and timings.
+
+`evaluate_drafter` is the same measurement as a plain function, for in-training evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashdraft import storage
+from flashdraft.drafter import DFlashDrafter
+from flashdraft.formats import SHAREGPT_ROLES, RecordError, read_records
+from flashdraft.head import TargetHead
+from flashdraft.speculative import Decoder, DecodeResult, Sampler, decode, eos_token_ids
+from flashdraft.target import LayerTaps, decoder_layers
+
+
+@dataclass(slots=True)
+class EvalPrompt:
+    id: str
+    input_ids: list[int]
+
+
+# ---- prompts ----
+
+
+def _messages_of(record: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The chat messages of a record (None for a raw-text prompt), trailing answers dropped."""
+    if "messages" in record:
+        messages = record["messages"]
+    elif "conversations" in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list):
+            raise RecordError("'conversations' must be a list")
+        messages = [
+            {"role": SHAREGPT_ROLES.get(str(t.get("from")).lower(), ""), "content": t.get("value")}
+            for t in turns
+            if isinstance(t, dict)
+        ]
+    elif isinstance(record.get("prompt"), list):
+        messages = record["prompt"]
+    elif isinstance(record.get("prompt"), str):
+        return None
+    else:
+        raise RecordError("prompt record needs 'messages', 'conversations' or a 'prompt' string")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise RecordError("messages must be a list of objects")
+    messages = list(messages)
+    while messages and messages[-1].get("role") == "assistant":
+        messages.pop()
+    if not messages:
+        raise RecordError("no user turn left to answer")
+    return messages
+
+
+def render_prompt(record: dict[str, Any], tokenizer: Any) -> list[int]:
+    """Token ids of one prompt record (see the module docstring for the accepted shapes)."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a JSON {type(record).__name__}, not an object")
+    messages = _messages_of(record)
+    if messages is None:
+        return list(tokenizer(record["prompt"]).input_ids)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already holds every special token the target expects (BOS included).
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def load_prompts(url: str, tokenizer: Any, limit: int | None = None) -> list[EvalPrompt]:
+    """Prompts of a JSONL file; a bad record is an error naming its file:line."""
+    prompts: list[EvalPrompt] = []
+    for source, record in read_records(url):
+        if limit is not None and len(prompts) >= limit:
+            break
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            ids = render_prompt(record, tokenizer)
+        except RecordError as err:
+            raise ValueError(f"{source}: {err}") from None
+        prompts.append(EvalPrompt(str(record.get("id") or source), ids))
+    if not prompts:
+        raise ValueError(f"{url} holds no prompts")
+    return prompts
+
+
+def _as_prompt(
+    item: EvalPrompt | dict[str, Any] | Sequence[int], index: int, tokenizer: Any
+) -> EvalPrompt:
+    if isinstance(item, EvalPrompt):
+        return item
+    if isinstance(item, dict):
+        if tokenizer is None:
+            raise ValueError("prompt records need a tokenizer to be rendered")
+        return EvalPrompt(str(item.get("id") or index), render_prompt(item, tokenizer))
+    return EvalPrompt(str(index), [int(t) for t in item])
+
+
+# ---- checks ----
+
+
+def check_compatible(drafter: DFlashDrafter, target: Any) -> None:
+    """Refuse a drafter built for another target (ValueError naming the mismatch)."""
+    config, text = drafter.config, target.config.get_text_config()
+    layers = len(decoder_layers(target))
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    problems = []
+    if config.hidden_size != int(text.hidden_size):
+        problems.append(f"hidden size {config.hidden_size} vs the target's {text.hidden_size}")
+    if config.num_target_layers != layers:
+        problems.append(f"built for {config.num_target_layers} target layers, target has {layers}")
+    if not 0 <= config.mask_token_id < vocab:
+        problems.append(f"mask token {config.mask_token_id} outside the target's {vocab} rows")
+    if config.vocab_size != vocab:
+        problems.append(f"vocab size {config.vocab_size} vs the target's {vocab}")
+    if problems:
+        raise ValueError("the drafter does not fit this target: " + "; ".join(problems))
+
+
+# ---- the measurement ----
+
+
+def evaluate_drafter(
+    target: nn.Module,
+    tokenizer: Any,
+    drafter: DFlashDrafter,
+    prompts: Sequence[EvalPrompt | dict[str, Any] | Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    reference: bool | None = None,
+    taps: LayerTaps | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run the real draft-and-verify loop on `prompts` and return the report dict.
+
+    target: the frozen HF causal LM (eval mode); drafter: an eager, unwrapped drafter (not
+    compiled with static shapes: the context grows every step); prompts: records (rendered
+    with `tokenizer`), `EvalPrompt`s or token-id lists (then `tokenizer` may be None).
+    block_size defaults to the drafter's. `reference` runs the target alone (B = 1) on the
+    same prompts: the lossless check at T = 0 and the speedup baseline on CUDA; by default
+    it runs when either applies. `taps` lets a caller share hooks it already holds on the
+    target (they must tap the drafter's layers); otherwise hooks are added per prompt and
+    removed after it, so the B = 1 baseline runs hook-free.
+    """
+    from tqdm.auto import tqdm
+
+    check_compatible(drafter, target)
+    block = block_size or drafter.config.block_size
+    device = next(target.parameters()).device
+    cuda = device.type == "cuda"
+    items = [_as_prompt(p, i, tokenizer) for i, p in enumerate(prompts)]
+    if reference is None:
+        reference = temperature == 0.0 or cuda
+    head = TargetHead.from_model(target)
+    eos = eos_token_ids(target, tokenizer)
+
+    def run(prompt: EvalPrompt, speculative: bool, new_tokens: int, index: int) -> DecodeResult:
+        generator = torch.Generator(device=device).manual_seed(seed + index)
+        sampler = Sampler(temperature, generator)
+        if not speculative:
+            return decode(Decoder(target, eos_ids=eos), prompt.input_ids, new_tokens, sampler)
+        hooks = taps if taps is not None else LayerTaps(target, drafter.config.target_layer_ids)
+        try:
+            decoder = Decoder(target, drafter, head, hooks, block_size=block, eos_ids=eos)
+            return decode(decoder, prompt.input_ids, new_tokens, sampler)
+        finally:
+            if taps is None:
+                hooks.remove()
+
+    if cuda and items:  # warm-up: CUDA context, cuBLAS handles and kernels stay out of timing
+        run(items[0], True, min(max_new_tokens, 2 * block), 0)
+        if reference:
+            run(items[0], False, min(max_new_tokens, 2 * block), 0)
+
+    spec_results, base_results = [], []
+    for index, prompt in enumerate(tqdm(items, desc="eval", unit="prompt", disable=not progress)):
+        if reference:
+            base_results.append(run(prompt, False, max_new_tokens, index))
+        spec_results.append(run(prompt, True, max_new_tokens, index))
+
+    report = summarize(spec_results, block)
+    baselines: list[DecodeResult | None] = list(base_results) or [None] * len(items)
+    report["per_prompt"] = [
+        _prompt_entry(p, r, b, tokenizer, temperature)
+        for p, r, b in zip(items, spec_results, baselines, strict=True)
+    ]
+    if reference and temperature == 0.0:
+        flags = [entry["lossless"] for entry in report["per_prompt"]]
+        report["lossless"] = all(flags)
+        report["lossless_prompts"] = sum(flags)
+    report["timing"] = _timing(spec_results, base_results)
+    if cuda and base_results:
+        base_tpot = report["timing"]["baseline_time_per_output_token_ms"]
+        spec_tpot = report["timing"]["time_per_output_token_ms"]
+        if base_tpot and spec_tpot:
+            report["speedup"] = round(base_tpot / spec_tpot, 4)
+    report["settings"] = {
+        "block_size": block,
+        "drafter_block_size": drafter.config.block_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "reference": reference,
+        "eos_ids": sorted(eos),
+        "device": str(device),
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "drafter_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+    }
+    return report
+
+
+def summarize(results: Sequence[DecodeResult], block_size: int) -> dict[str, Any]:
+    """Acceptance statistics over every verify step of every prompt."""
+    lengths = [n for r in results for n in r.acceptance_lengths]
+    steps = len(lengths)
+    histogram = [0] * block_size
+    for n in lengths:
+        histogram[n - 1] += 1
+    # Draft k (1-based) was accepted in a step iff that step emitted at least k + 1 tokens.
+    at_least = [sum(histogram[k:]) for k in range(block_size)]  # steps with length >= k + 1
+    marginal = [at_least[k] / steps if steps else 0.0 for k in range(1, block_size)]
+    conditional = [
+        at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0 for k in range(1, block_size)
+    ]
+    output_tokens = sum(len(r.output_ids) for r in results)
+    return {
+        "tau": sum(lengths) / steps if steps else None,
+        "acceptance_histogram": histogram,
+        "per_position_acceptance": [round(x, 6) for x in marginal],
+        "conditional_acceptance": [round(x, 6) for x in conditional],
+        "num_prompts": len(results),
+        "total_steps": steps,
+        "output_tokens": output_tokens,
+        "decode_tokens": sum(lengths),  # output tokens after the prefill's first one
+        "mean_accepted_drafts": (sum(lengths) / steps - 1) if steps else None,
+        "median_acceptance_length": statistics.median(lengths) if steps else None,
+        "prompt_tau_mean": _mean([r.tau for r in results if r.tau is not None]),
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _prompt_entry(
+    prompt: EvalPrompt,
+    result: DecodeResult,
+    baseline: DecodeResult | None,
+    tokenizer: Any,
+    temperature: float,
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": prompt.id,
+        "prompt_tokens": len(prompt.input_ids),
+        "acceptance_lengths": result.acceptance_lengths,
+        "tau": result.tau,
+        "output_ids": result.output_ids,
+        "text": tokenizer.decode(result.output_ids) if tokenizer is not None else None,
+        "stopped_at_eos": result.stopped_at_eos,
+        "prefill_s": round(result.prefill_s, 6),
+        "decode_s": round(result.decode_s, 6),
+    }
+    if baseline is not None and temperature == 0.0:
+        mismatch = _first_mismatch(result.output_ids, baseline.output_ids)
+        entry["lossless"] = mismatch is None
+        entry["first_mismatch"] = mismatch
+    return entry
+
+
+def _tpot_ms(results: Sequence[DecodeResult]) -> float | None:
+    """Decode time per output token (prefill and its first token excluded), in ms."""
+    tokens = sum(len(r.output_ids) - 1 for r in results)
+    return round(1e3 * sum(r.decode_s for r in results) / tokens, 4) if tokens else None
+
+
+def _timing(spec: Sequence[DecodeResult], base: Sequence[DecodeResult]) -> dict[str, Any]:
+    timing: dict[str, Any] = {
+        "prefill_s": round(sum(r.prefill_s for r in spec), 4),
+        "decode_s": round(sum(r.decode_s for r in spec), 4),
+        "decode_tokens": sum(len(r.output_ids) - 1 for r in spec),
+        "time_per_output_token_ms": _tpot_ms(spec),
+    }
+    if base:
+        timing["baseline_decode_s"] = round(sum(r.decode_s for r in base), 4)
+        timing["baseline_decode_tokens"] = sum(len(r.output_ids) - 1 for r in base)
+        timing["baseline_time_per_output_token_ms"] = _tpot_ms(base)
+    return timing
+
+
+# ---- the plot ----
+
+
+def plot_acceptance(report: dict[str, Any]) -> bytes:
+    """PNG bytes: per-position acceptance (marginal bars, conditional line)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # Figure + Agg canvas directly: no pyplot, so no global backend state is touched.
+    fig = Figure(figsize=(7, 4), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    marginal = report["per_position_acceptance"]
+    positions = list(range(1, len(marginal) + 1))
+    ax.bar(positions, marginal, color="#4878d0", label="accepted (fraction of steps)")
+    ax.plot(positions, report["conditional_acceptance"], "o-", color="#ee854a",
+            label="accepted given the previous draft was")  # fmt: skip
+    ax.set_xlabel("draft position k in the block")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_xticks(positions)
+    tau = report["tau"]
+    settings = report.get("settings", {})
+    title = f"tau = {tau:.3f}" if tau is not None else "tau = n/a (no steps)"
+    title += f"   B = {settings.get('block_size', len(marginal) + 1)}"
+    title += f"   T = {settings.get('temperature', 0.0)}   {report['num_prompts']} prompts"
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def plot_path(report_url: str) -> str:
+    """REPORT.json -> REPORT.png beside it."""
+    stem = report_url[: -len(".json")] if report_url.endswith(".json") else report_url
+    return stem + ".png"
+
+
+# ---- CLI ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="HF model directory or hub id")
+    parser.add_argument(
+        "--drafter",
+        required=True,
+        help="training checkpoint, run directory, or exported folder (dflash / speculators / z-lab)",
+    )
+    parser.add_argument("--prompts", required=True, help="JSONL: messages / conversations / prompt")
+    parser.add_argument("--output", required=True, help="REPORT.json (the plot goes beside it)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--attn-implementation", default="sdpa")
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the target-alone run (no lossless check, no speedup)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from flashdraft.checkpoint import load_drafter
+    from flashdraft.target import DTYPES, load_target
+
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError("--block-size must be >= 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = (
+        args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    )
+    target = load_target(args.target, dtype, args.attn_implementation, device)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    drafter = load_drafter(args.drafter, num_target_layers=len(decoder_layers(target)))
+    drafter = drafter.to(device=device, dtype=DTYPES[dtype]).eval()
+    prompts = load_prompts(args.prompts, tokenizer, args.limit)
+    report = evaluate_drafter(
+        target,
+        tokenizer,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        temperature=args.temperature,
+        seed=args.seed,
+        reference=False if args.no_reference else None,
+        progress=True,
+    )
+    report["settings"].update(target=args.target, drafter=args.drafter, prompts=args.prompts)
+    storage.write_json_atomic(args.output, report)
+    plot = plot_path(args.output)
+    storage.write_bytes_atomic(plot, plot_acceptance(report))
+    print(format_summary(report))
+    print(f"report: {args.output}\nplot:   {plot}")
+    return 0
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    tau = report["tau"]
+    lines = [
+        f"tau {tau:.3f}" if tau is not None else "tau n/a (no verify steps)",
+        f"prompts {report['num_prompts']}  steps {report['total_steps']}  "
+        f"output tokens {report['output_tokens']}",
+        "per-position acceptance "
+        + " ".join(f"{x:.2f}" for x in report["per_position_acceptance"]),
+    ]
+    if "lossless" in report:
+        lines.append(
+            f"lossless {report['lossless']} ({report['lossless_prompts']}/{report['num_prompts']})"
+        )
+    if "speedup" in report:
+        lines.append(f"speedup {report['speedup']:.2f}x (decode time per token, B=1 / B)")
+    return "\n".join(lines)
