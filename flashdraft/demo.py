@@ -83,19 +83,29 @@ def _sizes(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     return base
 
 
+def _chat_prompts() -> list[dict]:
+    """Chat prompts that end in a user turn with some context (user, assistant, user): a bare
+    "Hello!" gets the same greedy answer every time, which `audit` rightly refuses."""
+    seen: set[str] = set()
+    prompts = []
+    for record in assets.chitchat_conversations(seed=0):
+        messages = record["messages"][:3]
+        last = messages[-1]["content"].strip().lower()
+        if len(messages) < 3 or len(last) < 20 or last in seen:
+            continue
+        seen.add(last)
+        prompts.append({"id": record["id"], "messages": messages})
+    return prompts
+
+
 def _prompt_sets(samples: int, eval_prompts: int) -> tuple[list[dict], list[dict]]:
     """Training and held-out prompts: two thirds chat, one third code; disjoint."""
-    chats = assets.chitchat_conversations(seed=0)
+    chats = _chat_prompts()
     code = assets.humaneval_prompts()
     held_chat, held_code = eval_prompts - eval_prompts // 2, eval_prompts // 2
-
-    def first_turn(record: dict) -> dict:
-        return {"id": record["id"], "messages": record["messages"][:1]}
-
-    eval_set = [first_turn(r) for r in chats[:held_chat]] + code[:held_code]
+    eval_set = chats[:held_chat] + code[:held_code]
     n_code = min(samples // 3, len(code) - held_code)
-    train = [first_turn(r) for r in chats[held_chat : held_chat + samples - n_code]]
-    train += code[held_code : held_code + n_code]
+    train = chats[held_chat : held_chat + samples - n_code] + code[held_code : held_code + n_code]
     return train, eval_set
 
 

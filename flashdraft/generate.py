@@ -77,6 +77,9 @@ class GenerateConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    # Keep answers cut at max_new_tokens in the main output (the chat template will close
+    # them with its end-of-turn token): on-policy tokens all the same, for quick runs.
+    keep_truncated: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -285,12 +288,17 @@ def split_reasoning(text: str) -> tuple[str | None, str, bool]:
 
 
 def make_record(
-    job: Job, prompt_ids: list[int], out: Generated, text: str, settings: dict[str, Any]
+    job: Job,
+    prompt_ids: list[int],
+    out: Generated,
+    text: str,
+    settings: dict[str, Any],
+    keep_truncated: bool = False,
 ) -> tuple[dict[str, Any], str | None]:
     """The output record of one job and why to reject it (None: keep it)."""
     reasoning, answer, closed = split_reasoning(text)
     reason = None
-    if out.finish_reason == "length":
+    if out.finish_reason == "length" and not (keep_truncated and closed and answer.strip()):
         reason = "length"
     elif not closed:
         reason = "unclosed_think"
@@ -430,6 +438,7 @@ class Summary:
     duplicates: int = 0  # part of bad_inputs
     already_done: int = 0
     written: int = 0
+    truncated_kept: int = 0  # finish_reason "length" written with --keep-truncated
     rejected: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -540,10 +549,14 @@ def run_generation(
                 kept: dict[str, list[dict[str, Any]]] = {"ok": [], "rejected": []}
                 for i, out in zip(batch, outs, strict=True):
                     text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
-                    record, reason = make_record(jobs[i], prompts[i], out, text, settings)
+                    record, reason = make_record(
+                        jobs[i], prompts[i], out, text, settings, cfg.keep_truncated
+                    )
                     kept["ok" if reason is None else "rejected"].append(record)
                     if reason is not None:
                         summary.rejected[reason] += 1
+                    elif out.finish_reason == "length":
+                        summary.truncated_kept += 1
                     summary.prompt_tokens += len(prompts[i])
                     summary.generated_tokens += out.num_generated
                 log.append("ok", kept["ok"])
@@ -561,7 +574,12 @@ def format_summary(summary: Summary, cfg: GenerateConfig, backend: str) -> str:
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(summary.rejected.items())) or "none"
     return "\n".join(
         [
-            f"generate: {summary.written} written to {cfg.output}",
+            f"generate: {summary.written} written to {cfg.output}"
+            + (
+                f" ({summary.truncated_kept} cut at max-new-tokens, kept)"
+                if summary.truncated_kept
+                else ""
+            ),
             f"  rejected: {sum(summary.rejected.values())} ({rejected}) "
             f"in {rejected_url(cfg.output)}",
             f"  input: {summary.records_read} records, {summary.prompts} prompts, "
@@ -622,6 +640,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm-kwargs", type=json.loads, default={}, help="JSON object for vllm.LLM(...)"
     )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--keep-truncated",
+        action="store_true",
+        help="keep answers cut at --max-new-tokens in the main output (counted; the chat "
+        "template closes them with its end-of-turn token); default: side file",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GenerateConfig:
@@ -650,6 +674,7 @@ def config_from_args(args: argparse.Namespace) -> GenerateConfig:
         dtype=args.dtype,
         vllm_kwargs=args.vllm_kwargs,
         progress=not args.no_progress,
+        keep_truncated=args.keep_truncated,
     )
 
 

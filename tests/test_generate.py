@@ -431,3 +431,30 @@ def test_cli_reports_a_missing_input_cleanly(
     code = cli.main(["generate", "--target", "x", "--prompts", missing, "--output", out])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_keep_truncated_writes_cut_answers_to_the_main_output(tmp_path, smollm2_dir) -> None:
+    """--keep-truncated: answers cut at max-new-tokens are kept (counted), not side-filed."""
+    from flashdraft import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me a long story about a dragon."}) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = [
+        "generate",
+        "--target",
+        str(smollm2_dir),
+        "--prompts",
+        str(prompts),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    assert cli.main([*args, "--keep-truncated"]) == 0
+    record = json.loads(out.read_text())
+    assert record["finish_reason"] == "length" and record["completion"]
+    assert record["completion_tokens"] == 4
