@@ -24,10 +24,11 @@ import tempfile
 import numpy as np
 import torch
 
-from flashdraft.benchutil import environment, matmul_peak, measure, print_json, print_table
+from flashdraft.bench import COLUMNS, summarise, time_trainer
+from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
 from flashdraft.config import load_run_config
 from flashdraft.parallel import init_distributed
-from flashdraft.train import Interval, Trainer, plan_run
+from flashdraft.train import Trainer, plan_run
 
 
 class SyntheticDataset:
@@ -92,82 +93,12 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
     return Trainer(plan, target_model=model)
 
 
-def unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 def bench_row_length(
     args, device, model, row_tokens: int, overlap: bool, parts: bool
 ) -> list[dict]:
     trainer = make_trainer(args, device, model, row_tokens, overlap)
-    prefetch = trainer.config.data.prefetch if overlap else 0
-    rows = trainer.stream.iterate(iter(range(10**9)), prefetch)
-    results = []
-    target_flops = trainer.target.flops_per_token(row_tokens) * row_tokens
-    head_rows = args.anchors * (trainer.block - 1)
-    target_flops += 2 * args.hidden * args.vocab * head_rows  # argmax at label positions
-    queries = args.anchors * trainer.block
-    drafter_flops = 3 * trainer.drafter.num_flops_per_query_token(row_tokens, queries) * queries
-    drafter_flops += 2 * 2 * args.hidden * args.vocab * head_rows
-    sample_rows = [next(rows) for _ in range(4)]
-    real_tokens = float(np.mean([r.tokens for r in sample_rows]))
-
-    def full() -> None:
-        trainer.train_step([next(rows)], Interval())
-
-    if parts:
-        batches = [trainer._batch(r) for r in sample_rows[:1]]
-        counter = iter(range(10**9))
-
-        def target_only() -> None:
-            trainer._batch(sample_rows[next(counter) % len(sample_rows)])
-
-        from flashdraft.step import draft_loss
-
-        normaliser = torch.tensor(float(args.anchors * 10), device=device)
-
-        def drafter_only() -> None:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss, _ = draft_loss(
-                    trainer.drafter,
-                    trainer.head,
-                    batches[0],
-                    trainer.slot_w,
-                    normaliser,
-                    trainer.backend,
-                    args.chunk_rows,
-                    forward=trainer.model,
-                )
-            loss.backward()
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
-
-        for name, fn, flops in (
-            ("target forward", target_only, target_flops),
-            ("drafter step", drafter_only, drafter_flops),
-        ):
-            timing = measure(fn, device, args.warmup, args.iters)
-            results.append(
-                dict(what=name, row=row_tokens, flops=flops, **timing.as_dict(), s=timing.median_s)
-            )
-        del batches
-    graphs_before = unique_graphs()
-    timing = measure(full, device, args.warmup, args.iters)
-    results.append(
-        dict(
-            what="full online step" + ("" if overlap else " (no overlap)"),
-            row=row_tokens,
-            flops=target_flops + drafter_flops,
-            **timing.as_dict(),
-            s=timing.median_s,
-            recompiles_while_timed=unique_graphs() - graphs_before,
-        )
-    )
-    for r in results:
-        r["tokens_per_s"] = round(real_tokens / r["s"])
-    return results
+    label = "full online step" + ("" if overlap else " (no overlap)")
+    return time_trainer(trainer, parts=parts, label=label, warmup=args.warmup, iters=args.iters)
 
 
 def parse() -> argparse.Namespace:
@@ -206,48 +137,25 @@ def main() -> int:
     peak = matmul_peak(device)
     model = target_model(args, device)
     rows = [int(r) for r in args.rows.split(",")]
-    runs = [(rows[0], True, True)]
-    if not args.skip_overlap_off:
-        runs.append((rows[0], False, False))
-    runs += [(row, True, False) for row in rows[1:]]
     results = []
-    for row, overlap, parts in runs:
-        results += bench_row_length(args, device, model, row, overlap=overlap, parts=parts)
+    for i, row in enumerate(rows):
+        results += bench_row_length(args, device, model, row, first=i == 0)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for r in results:
-        r["tflops"] = round(r["flops"] / r["s"] / 1e12, 1)
-        r["mfu"] = round(r["flops"] / r["s"] / peak, 3)
-    by = {(r["what"], r["row"]): r for r in results}
-    t, d, f = (
-        by[(k, rows[0])]["s"] for k in ("target forward", "drafter step", "full online step")
+    summary = summarise(
+        [r for r in results if r["row"] == rows[0] and "no overlap" not in r["what"]], peak
     )
-    summary = {
-        "overhead_ratio": round(f / (t + d), 3),
-        "system_mfu": by[("full online step", rows[0])]["mfu"],
-        "tokens_per_s": by[("full online step", rows[0])]["tokens_per_s"],
-    }
+    summarise(results, peak)
+    by = {(r["what"], r["row"]): r for r in results}
     if ("full online step (no overlap)", rows[0]) in by:
         summary["overlap_speedup"] = round(
-            by[("full online step (no overlap)", rows[0])]["s"] / f, 3
+            by[("full online step (no overlap)", rows[0])]["s"]
+            / by[("full online step", rows[0])]["s"],
+            3,
         )
     print(f"measured matmul peak: {peak / 1e12:.0f} TFLOP/s on {device}")
-    print_table(
-        results,
-        [
-            "what",
-            "row",
-            "median_ms",
-            "p10_ms",
-            "p90_ms",
-            "tokens_per_s",
-            "tflops",
-            "mfu",
-            "peak_mem_gb",
-            "recompiles_while_timed",
-        ],
-    )
+    print_table(results, COLUMNS)
     print("  ".join(f"{k}={v}" for k, v in summary.items()))
     for r in results:
         r.pop("s")

@@ -53,9 +53,9 @@ def _sizes(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     """Defaults per device: a laptop-class CPU run, or a larger one on a GPU."""
     base: dict[str, Any] = (
         {
-            "samples": 4000,
-            "eval_prompts": 24,
-            "max_new_tokens": 192,
+            "samples": 3000,
+            "eval_prompts": 16,
+            "max_new_tokens": 128,
             "layers": 3,
             "epochs": 3,
             "row_tokens": 8192,
@@ -65,15 +65,15 @@ def _sizes(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
         }
         if cuda
         else {
-            "samples": 240,
+            "samples": 128,
             "eval_prompts": 8,
-            "max_new_tokens": 96,
+            "max_new_tokens": 64,
             "layers": 2,
             "epochs": 4,
             "row_tokens": 1024,
             "anchors": 128,
             "lr": 2e-3,
-            "gen_batch": 24,
+            "gen_batch": 32,
         }
     )
     for key in ("samples", "eval_prompts", "max_new_tokens"):
@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             "0",
             "--device",
             device,
+            "--keep-truncated",
         )
     data = out / "data"
     with stage("prepare"):
