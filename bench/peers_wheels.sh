@@ -16,7 +16,8 @@
 # tensorboard, openai-harmony (none imported by its DFlash path); speculators wants
 # torchvision/torchaudio and loguru/pydantic-settings (not imported on this path).
 #
-#   bash bench/peers_wheels.sh          # then carry .whl to the device (see README)
+#   bash bench/peers_wheels.sh                  # then carry .whl to the device (see README)
+#   bash bench/peers_wheels.sh pyarrow==26.0.1  # extra wheels, if the image's turn out too old
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,6 +39,7 @@ WHEELS=(
   datasets==5.1.0
   dill==0.4.1
   multiprocess==0.70.19
+  "$@"
 )
 
 mkdir -p .whl
