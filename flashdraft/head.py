@@ -55,6 +55,22 @@ class TargetHead:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
 
+    def argmax_at(self, last_hidden: Tensor, positions: Tensor, chunk_rows: int) -> Tensor:
+        """argmax of the logits at `positions` [R, ...] of the final-normed last_hidden [R, T, H].
+
+        In chunks of rows, so the full [R, T, V] logits never exist (hard labels, SPEC 3).
+        """
+        rows = positions.shape[0]
+        flat = positions.reshape(rows, -1)
+        picked = last_hidden.gather(1, flat[..., None].expand(-1, -1, last_hidden.shape[-1]))
+        picked = picked.reshape(-1, last_hidden.shape[-1])
+        out = torch.empty(picked.shape[0], dtype=torch.long, device=picked.device)
+        weight = self.weight.to(picked.dtype)
+        for start in range(0, picked.shape[0], chunk_rows):
+            logits = self.transform(picked[start : start + chunk_rows] @ weight.T)
+            out[start : start + chunk_rows] = logits.argmax(dim=-1)
+        return out.view(positions.shape)
+
     def logits(self, hidden: Tensor) -> Tensor:
         """Full logits [..., V] in fp32. Only for small inputs (decoding, tests)."""
         return self.transform((hidden @ self.weight.to(hidden.dtype).T).float())

@@ -200,16 +200,7 @@ class Target:
 
     def argmax_at(self, last_hidden: Tensor, positions: Tensor, chunk_rows: int) -> Tensor:
         """argmax of the target's logits at `positions` [R, ...] of last_hidden [R, T, H]."""
-        rows = positions.shape[0]
-        flat = positions.reshape(rows, -1)
-        picked = last_hidden.gather(1, flat[..., None].expand(-1, -1, last_hidden.shape[-1]))
-        picked = picked.reshape(-1, last_hidden.shape[-1])
-        out = torch.empty(picked.shape[0], dtype=torch.long, device=picked.device)
-        weight = self.head.weight.to(picked.dtype)
-        for start in range(0, picked.shape[0], chunk_rows):
-            logits = self.head.transform(picked[start : start + chunk_rows] @ weight.T)
-            out[start : start + chunk_rows] = logits.argmax(dim=-1)
-        return out.view(positions.shape)
+        return self.head.argmax_at(last_hidden, positions, chunk_rows)
 
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token of the decoder stack (the LM head runs only at label
