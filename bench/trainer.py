@@ -93,12 +93,15 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
     return Trainer(plan, target_model=model)
 
 
-def bench_row_length(
-    args, device, model, row_tokens: int, overlap: bool, parts: bool
-) -> list[dict]:
-    trainer = make_trainer(args, device, model, row_tokens, overlap)
-    label = "full online step" + ("" if overlap else " (no overlap)")
-    return time_trainer(trainer, parts=parts, label=label, warmup=args.warmup, iters=args.iters)
+def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[dict]:
+    trainer = make_trainer(args, device, model, row_tokens, overlap=True)
+    return time_trainer(
+        trainer,
+        parts=first,
+        warmup=args.warmup,
+        iters=args.iters,
+        without_overlap=first and not args.skip_overlap_off,
+    )
 
 
 def parse() -> argparse.Namespace:
