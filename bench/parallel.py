@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from trainer import SyntheticDataset, target_model
+from trainer import SyntheticDataset, add_geometry_arguments, smoke_geometry, target_model
 
 from flashdraft.benchutil import environment, print_json, print_table
 from flashdraft.config import load_run_config
@@ -43,37 +43,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--all", action="store_true", help="run 1-GPU, 2-GPU colocated and split")
     p.add_argument("--placement", default="colocated", choices=["colocated", "split"])
     p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=12288)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--target-layers", type=int, default=36)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--layers", type=int, default=5)
-    p.add_argument("--anchors", type=int, default=512)
+    add_geometry_arguments(p)
     p.add_argument("--row-tokens", type=int, default=8192)
     p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--docs", type=int, default=2000)
-    p.add_argument("--doc-min", type=int, default=300)
-    p.add_argument("--doc-max", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
-        args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim = 64, 128, 4, 2, 16
-        args.target_layers, args.vocab, args.layers, args.anchors = 6, 1000, 2, 16
-        args.row_tokens, args.docs, args.doc_min, args.doc_max = 256, 200, 20, 200
-        args.warmup, args.iters = 1, 3
+        smoke_geometry(args)
+        args.row_tokens, args.warmup, args.iters = 256, 1, 3
     return args
 
 
 def worker(args: argparse.Namespace) -> None:
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     info = init_distributed(device_kind)
-    model_args = argparse.Namespace(**vars(args))
-    model = target_model(model_args, info.device)
+    model = target_model(args, info.device)
     steps = args.warmup + args.iters
     overrides = [
         f"output={tempfile.mkdtemp(prefix='flashdraft-par-')}",

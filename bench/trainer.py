@@ -104,8 +104,9 @@ def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[
     )
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_geometry_arguments(p: argparse.ArgumentParser) -> None:
+    """The Qwen3-8B-shaped target, the drafter and the synthetic documents (shared with
+    bench/parallel.py)."""
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=12288)
     p.add_argument("--heads", type=int, default=32)
@@ -115,10 +116,21 @@ def parse() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--anchors", type=int, default=512)
-    p.add_argument("--rows", default="8192,16384")
     p.add_argument("--docs", type=int, default=2000)
     p.add_argument("--doc-min", type=int, default=300)
     p.add_argument("--doc-max", type=int, default=3000)
+
+
+def smoke_geometry(args: argparse.Namespace) -> None:
+    args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim = 64, 128, 4, 2, 16
+    args.target_layers, args.vocab, args.layers, args.anchors = 6, 1000, 2, 16
+    args.docs, args.doc_min, args.doc_max = 200, 20, 200
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_geometry_arguments(p)
+    p.add_argument("--rows", default="8192,16384")
     p.add_argument("--chunk-rows", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
@@ -127,10 +139,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
-        args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim = 64, 128, 4, 2, 16
-        args.target_layers, args.vocab, args.layers, args.anchors = 6, 1000, 2, 16
-        args.rows, args.docs, args.doc_min, args.doc_max = "256,512", 200, 20, 200
-        args.warmup, args.iters, args.chunk_rows, args.no_compile = 1, 3, 64, True
+        smoke_geometry(args)
+        args.rows, args.warmup, args.iters, args.chunk_rows, args.no_compile = (
+            "256,512",
+            1,
+            3,
+            64,
+            True,
+        )
     return args
 
 

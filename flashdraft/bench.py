@@ -105,7 +105,9 @@ def time_trainer(
     record("full online step", full, target_flops + drafter_flops)
     results[-1]["recompiles_while_timed"] = unique_graphs() - graphs
     if without_overlap:
-        inline = trainer.stream.iterate(iter(range(100, 10**9)), prefetch=0)
+        # Rows the prefetching run has not touched, so both see fresh rows.
+        start = min(100, trainer.stream.total_rows() // 2)
+        inline = trainer.stream.iterate(iter(range(start, 10**9)), prefetch=0)
 
         def full_inline() -> None:
             trainer.train_step([next(inline)], Interval())

@@ -127,3 +127,24 @@ def test_two_gpus_match_one_gpu_on_the_same_global_batch(
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), a["step"]
         assert a["tokens"] == b["tokens"] and a["trained_slots"] == b["trained_slots"]
+
+
+@pytest.mark.slow
+def test_four_processes_split_two_plus_two_match_one(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
+    """The original layout on CPU: targets on 2 ranks, drafters on 2 (data parallel x2),
+    2 replicas x 2 rows per step, compared with 1 process x 4 rows (the same global batch)."""
+    control = tmp_path / "one"
+    one = train_settings(
+        control, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 4, "optim.grad_accum": 4}
+    )
+    assert cli.main(["train", *one]) == 0
+    run = tmp_path / "split22"
+    settings = train_settings(
+        run,
+        tiny_qwen3_dir,
+        qwen_data,
+        **{"optim.max_steps": 4, "optim.grad_accum": 2},
+        **{"parallel.placement": '"split"', "parallel.target_ranks": 2},
+    )
+    _torchrun(4, settings)
+    _same_curve(read_metrics(run), read_metrics(control))
