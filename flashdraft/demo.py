@@ -66,13 +66,13 @@ def _sizes(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
         if cuda
         else {
             "samples": 128,
-            "eval_prompts": 8,
+            "eval_prompts": 6,
             "max_new_tokens": 64,
             "layers": 2,
-            "epochs": 3,
+            "epochs": 4,
             "row_tokens": 1024,
-            "anchors": 96,
-            "lr": 2e-3,
+            "anchors": 48,
+            "lr": 1e-3,
             "gen_batch": 32,
         }
     )
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
             "loss.anchors": size["anchors"],
             "optim.lr": size["lr"],
             "optim.epochs": size["epochs"],
-            "optim.warmup_steps": 20,
+            "optim.warmup_steps": 10,
             "log.every": 10,
             "checkpoint.every": 100,
             "device": device,
