@@ -320,8 +320,10 @@ def _plot(before: dict, after: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    length = max(len(before["per_position_acceptance"]), len(after["per_position_acceptance"]))
     for name, report in (("untrained", before), ("trained", after)):
-        values = report["per_position_acceptance"]
+        values = list(report["per_position_acceptance"])
+        values += [0.0] * (length - len(values))  # positions never reached: nothing accepted
         ax.plot(
             range(1, len(values) + 1), values, marker="o", label=f"{name} (tau {report['tau']:.2f})"
         )
