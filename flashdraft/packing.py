@@ -201,34 +201,39 @@ class RowStream:
         self.row_tokens, self.num_anchors, self.block_size = row_tokens, num_anchors, block_size
         self.seed, self.epochs, self.overlong, self.shuffle = seed, epochs, overlong, shuffle
         self.pad_id = pad_id
-        self._plans: dict[int, EpochPlan] = {}
+        # One epoch's plan is held at a time (it lists every piece of the epoch); the row
+        # count of every epoch planned so far is kept, so locating a position never replans.
+        # The lock: the prefetch thread and the training loop both ask.
+        self._plan: tuple[int, EpochPlan] | None = None
+        self._counts: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     def plan(self, epoch: int) -> EpochPlan:
-        if epoch not in self._plans:
-            self._plans = {
-                epoch: plan_epoch(
+        with self._lock:
+            if self._plan is None or self._plan[0] != epoch:
+                plan = plan_epoch(
                     self.num_tokens, self.row_tokens, self.seed, epoch, self.overlong, self.shuffle
                 )
-            }
-        return self._plans[epoch]
+                self._plan = (epoch, plan)
+                self._counts[epoch] = len(plan.rows)
+            return self._plan[1]
 
-    def rows_per_epoch(self) -> int:
-        return len(self.plan(0).rows)
+    def rows_in(self, epoch: int) -> int:
+        """Rows of an epoch (the shuffle changes the packing, so counts differ slightly)."""
+        if epoch not in self._counts:
+            self.plan(epoch)
+        return self._counts[epoch]
 
     def total_rows(self) -> int:
-        # Every epoch has the same number of rows only approximately (the shuffle changes
-        # the packing), so count them all once.
-        return sum(len(self.plan(e).rows) for e in range(self.epochs))
+        return sum(self.rows_in(e) for e in range(self.epochs))
 
     def locate(self, position: int) -> tuple[int, int]:
         """Stream position -> (epoch, row index within the epoch)."""
-        epoch = 0
-        while epoch < self.epochs:
-            count = len(self.plan(epoch).rows)
+        for epoch in range(self.epochs):
+            count = self.rows_in(epoch)
             if position < count:
                 return epoch, position
             position -= count
-            epoch += 1
         raise IndexError("position past the end of the run's data")
 
     def row(self, position: int) -> Row:

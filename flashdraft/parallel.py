@@ -64,12 +64,6 @@ def init_distributed(preference: str) -> DistInfo:
     return DistInfo(rank, world, local_rank, device)
 
 
-def all_reduce_sum(tensor: Tensor, info: DistInfo) -> Tensor:
-    if info.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()

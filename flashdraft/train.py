@@ -667,7 +667,7 @@ class Trainer:
         summary = BlockStats.from_flat(flat[:-2], self.block).summary()
         tokens, rows = int(flat[-2]), int(flat[-1])
         wall = time.perf_counter() - interval.started
-        epoch, _ = self.stream.locate(min(self.cursor, self.stream.total_rows() - 1))
+        epoch, _ = self.stream.locate(min(self.cursor, self.plan.total_rows - 1))
         record = {
             "step": self.step,
             "epoch": epoch,

@@ -124,3 +124,25 @@ def test_prefetch_surfaces_loader_errors() -> None:
     stream = _stream()
     with pytest.raises(IndexError):
         list(stream.iterate(iter([0, 10_000]), prefetch=2))
+
+
+def test_each_epoch_is_planned_once_while_streaming_across_epochs(monkeypatch) -> None:
+    """Locating positions and logging must not replan earlier epochs (seconds each at scale)."""
+    import flashdraft.packing as packing
+
+    calls: list[int] = []
+    real = packing.plan_epoch
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "plan_epoch", counting)
+    stream = _stream(epochs=3)
+    total = stream.total_rows()
+    assert calls == [0, 1, 2]
+    calls.clear()
+    for position in range(total):
+        stream.row(position)
+        stream.locate(position)
+    assert calls == [0, 1, 2]  # each epoch planned again exactly once, in order
