@@ -11,7 +11,8 @@ One process per GPU; every process builds the same random-weight Qwen3-8B-shaped
     torchrun --nproc-per-node 2 bench/parallel.py --placement split   # one configuration
     python bench/parallel.py --all --smoke    # tiny, CPU (gloo), checks the script runs
 
-Global tokens/s = rows per step x real tokens per row / median step time (logging rank).
+Global tokens/s = rows per step x real tokens per row / mean step time (logging rank), timed
+over --iters steps with one device sync at the end, as the training loop runs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +51,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="colocated: also time the steps with rows built inline (parallel.overlap off)",
+    )
+    p.add_argument("--table", nargs="+", metavar="LOG", help="one table from RESULT lines of logs")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
@@ -58,8 +67,14 @@ def parse() -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> None:
     device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    t0 = time.perf_counter()
     info = init_distributed(device_kind)
+
+    def phase(what: str) -> None:  # where the start-up time goes (stderr, every rank)
+        print(f"[rank {info.rank} {time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr)
+
     model = target_model(args, info.device)
+    phase("target built")
     steps = args.warmup + args.iters
     overrides = [
         f"output={tempfile.mkdtemp(prefix='flashdraft-par-')}",
@@ -82,39 +97,61 @@ def worker(args: argparse.Namespace) -> None:
     plan = plan_run(config, info, resume=False, target_config=model.config, dataset=dataset)
     if plan.placement.role == "target":
         serve_target(plan, model)
+        phase("target served every step")
         barrier(info)
         shutdown(info)
         return
     trainer = Trainer(plan, model)
-    rows = trainer.stream.iterate(plan.positions(plan.placement.dp_rank), config.data.prefetch)
-    times = []
-    real_tokens = []
-    for step in range(steps):
-        step_rows = [next(rows) for _ in range(args.grad_accum)]
-        real_tokens += [r.tokens for r in step_rows]
-        if device_kind == "cuda":
-            torch.cuda.synchronize()
+    phase("trainer built")
+    positions = plan.positions(plan.placement.dp_rank)
+    rows = trainer.stream.iterate(positions, config.data.prefetch)
+
+    def run_steps(rows: Iterator[Any], n: int) -> float:
+        """Seconds for n steps, fetching rows included, one device sync at the end: the loop
+        as `flashdraft train` runs it (no per-step sync, so the CPU may run ahead)."""
+        sync()
         start = time.perf_counter()
-        trainer.train_step(step_rows, Interval())
+        for _ in range(n):
+            step_rows = [next(rows) for _ in range(args.grad_accum)]
+            real_tokens.extend(r.tokens for r in step_rows)
+            trainer.train_step(step_rows, Interval())
+        sync()
+        return time.perf_counter() - start
+
+    def sync() -> None:
         if device_kind == "cuda":
             torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+
+    real_tokens: list[int] = []
+    for step in range(args.warmup):  # compiles here
+        run_steps(rows, 1)
+        phase(f"warm-up step {step + 1} done")
+    real_tokens.clear()
+    step_s = run_steps(rows, args.iters) / args.iters
+    phase(f"{args.iters} timed steps: {step_s * 1e3:.1f} ms each")
+    inline_s = None
+    if args.compare_overlap and plan.placement.kind == "colocated":
+        # The same steps with rows built inline on the training thread (parallel.overlap off);
+        # the plan has no steps left, so restart the positions (same shapes, already compiled).
+        inline = trainer.stream.iterate(plan.positions(plan.placement.dp_rank), 0)
+        inline_s = run_steps(inline, args.iters) / args.iters
+        phase(f"{args.iters} timed steps, rows inline: {inline_s * 1e3:.1f} ms each")
     barrier(info)
     if plan.placement.is_logger:
-        median = statistics.median(times)
         tokens_per_row = statistics.mean(real_tokens)
         result = {
             "placement": args.placement,
             "world": info.world,
             "drafter_replicas": plan.placement.dp_world,
             "rows_per_step": plan.rows_per_step,
-            "step_ms": round(median * 1e3, 1),
-            "tokens_per_s": round(plan.rows_per_step * tokens_per_row / median),
+            "step_ms": round(step_s * 1e3, 1),
+            "tokens_per_s": round(plan.rows_per_step * tokens_per_row / step_s),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if device_kind == "cuda"
             else 0.0,
         }
+        if inline_s is not None:
+            result["step_ms_rows_inline"] = round(inline_s * 1e3, 1)
         print("RESULT " + json.dumps(result), flush=True)
     shutdown(info)
 
@@ -131,8 +168,9 @@ def launch(args: argparse.Namespace, nproc: int, placement: str) -> dict:
         *forwarded,
         "--placement",
         placement,
+        *(["--compare-overlap"] if nproc == 1 else []),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
@@ -142,33 +180,33 @@ def launch(args: argparse.Namespace, nproc: int, placement: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def table(results: list[dict]) -> None:
+    one = next((r for r in results if r["world"] == 1), None)
+    for r in results:
+        if one is not None:
+            r["speedup_vs_1gpu"] = round(r["tokens_per_s"] / one["tokens_per_s"], 3)
+    columns = ["placement", "world", "drafter_replicas", "rows_per_step", "step_ms"]
+    columns += ["tokens_per_s", "speedup_vs_1gpu", "peak_mem_gb", "step_ms_rows_inline"]
+    print_table(results, [c for c in columns if any(c in r for r in results)])
+    print_json({"bench": "parallel", "results": results, **environment()})
+
+
 def main() -> int:
     args = parse()
+    if args.table:
+        lines = [ln for f in args.table for ln in Path(f).read_text().splitlines()]
+        table([json.loads(ln[len("RESULT ") :]) for ln in lines if ln.startswith("RESULT ")])
+        return 0
     if not args.all:
         worker(args)
         return 0
-    results = [
-        launch(args, 1, "colocated"),
-        launch(args, args.gpus, "colocated"),
-        launch(args, args.gpus, "split"),
-    ]
-    one = results[0]["tokens_per_s"]
-    for r in results:
-        r["speedup_vs_1gpu"] = round(r["tokens_per_s"] / one, 3)
-    print_table(
-        results,
+    table(
         [
-            "placement",
-            "world",
-            "drafter_replicas",
-            "rows_per_step",
-            "step_ms",
-            "tokens_per_s",
-            "speedup_vs_1gpu",
-            "peak_mem_gb",
-        ],
+            launch(args, 1, "colocated"),
+            launch(args, args.gpus, "colocated"),
+            launch(args, args.gpus, "split"),
+        ]
     )
-    print_json({"bench": "parallel", "results": results, **environment()})
     return 0
 
 

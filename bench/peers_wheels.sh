@@ -42,16 +42,17 @@ WHEELS=(
   "$@"
 )
 
-mkdir -p .whl
+dest=${WHEEL_DIR:-.whl}
+mkdir -p "$dest"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+  --platform manylinux1_x86_64 -d "$dest" "${WHEELS[@]}"
 
 # One version of each package, or the install on the device refuses the whole set.
-dupes=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z_' 'a-z-' | sort | uniq -d)
+dupes=$(ls "$dest"/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z_' 'a-z-' | sort | uniq -d)
 if [ -n "$dupes" ]; then
   echo "more than one wheel of: $dupes (empty .whl/ and run again)" >&2
   exit 1
 fi
-du -ch .whl/*.whl | tail -1
+du -ch "$dest"/*.whl | tail -1
