@@ -91,6 +91,7 @@ class Case:
     warmup: int
     iters: int
     speculators_loss: str
+    speculators_impl: str = "fused"
 
 
 def compute_setup(device: torch.device) -> tuple[torch.dtype, bool]:
@@ -377,7 +378,8 @@ def run_speculators(case: Case, g: Geometry, device: torch.device) -> dict[str, 
         model.verifier_lm_head.weight.copy_(head_w)
         model.verifier_norm.weight.fill_(1.0)
 
-    impl = "fused" if device.type == "cuda" else "eager"  # fused = Triton kernels
+    # fused = their Triton kernels (their default on a GPU); eager where fused fails to compile
+    impl = case.speculators_impl if device.type == "cuda" else "eager"
     train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
         loss_fn=case.speculators_loss,
         loss_implementation=impl,
@@ -653,6 +655,12 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--speculators-loss", default="ce", help="'ce' matches flashdraft; their default is kl_div"
     )
+    p.add_argument(
+        "--speculators-impl",
+        default="fused",
+        choices=["fused", "eager"],
+        help="their loss kernels; 'eager' where the fused Triton loss fails under torch.compile",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--timeout", type=int, default=300, help="seconds per framework and size")
@@ -887,6 +895,7 @@ def run_all(args: argparse.Namespace, g: Geometry) -> list[dict[str, Any]]:
                 warmup=args.warmup,
                 iters=args.iters,
                 speculators_loss=args.speculators_loss,
+                speculators_impl=args.speculators_impl,
             )
             timeout: float = args.timeout
             left = args.deadline - (time.perf_counter() - t0) - 20 if args.deadline else 1e9
