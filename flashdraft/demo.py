@@ -282,14 +282,27 @@ def _summary(out: Path, times: dict[str, float]) -> None:
     def row(name: str, report: dict) -> str:
         acc = " ".join(f"{x:.2f}" for x in report["per_position_acceptance"][:shown])
         lossless = f"{report.get('lossless_prompts', '?')}/{report['num_prompts']}"
-        return f"  {name:<10} {report['tau']:>6.3f}   {lossless:>8}   {acc}"
+        ties = report.get("near_tie_prompts", 0)
+        lossless += f" +{ties} ties" if ties else ""
+        return f"  {name:<10} {report['tau']:>6.3f}   {lossless:>14}   {acc}"
 
     print("\n== flashdraft demo: results ==")
     print(
-        f"  {'drafter':<10} {'tau':>6}   {'lossless':>8}   acceptance at draft position 1..{shown}"
+        f"  {'drafter':<10} {'tau':>6}   {'lossless':>14}   acceptance at draft position 1..{shown}"
     )
     print(row("untrained", before))
     print(row("trained", after))
+    unexplained = [r.get("unexplained_mismatch_prompts", 0) for r in (before, after)]
+    if any(r.get("near_tie_prompts") for r in (before, after)):
+        print(
+            "  (ties: outputs that leave the target's greedy decoding where its top two logits are "
+            "within rounding of each other; see `mismatch` in the reports)"
+        )
+    if any(unexplained):
+        print(
+            f"  WARNING: {sum(unexplained)} output(s) differ from the target's greedy decoding "
+            "without a near-tie: see `mismatch` in the reports and report a bug"
+        )
     print("\n  time per stage: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
     print(f"  total {sum(times.values()):.0f}s")
     print(
@@ -309,6 +322,8 @@ def _summary(out: Path, times: dict[str, float]) -> None:
             "seconds": times,
             "lossless_untrained": before.get("lossless"),
             "lossless_trained": after.get("lossless"),
+            "lossless_up_to_ties_untrained": before.get("lossless_up_to_ties"),
+            "lossless_up_to_ties_trained": after.get("lossless_up_to_ties"),
         },
     )
 

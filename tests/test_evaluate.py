@@ -15,6 +15,7 @@ from flashdraft.config import DrafterConfig
 from flashdraft.drafter import DFlashDrafter, init_seeded
 from flashdraft.evaluate import (
     EvalPrompt,
+    diagnose_mismatch,
     evaluate_drafter,
     load_prompts,
     plot_acceptance,
@@ -277,3 +278,73 @@ def test_sampling_eval_is_seeded_and_makes_no_lossless_claim() -> None:
     assert "lossless" not in first and "lossless" not in first["per_prompt"][0]
     assert first["settings"]["reference"] is False  # nothing to compare against on a CPU
     assert first["per_prompt"][0]["text"] is None
+
+
+# ---- a T = 0 output that leaves the baseline: near-tie of the target, or a bug ----
+
+
+class _FixedLogits(torch.nn.Module):
+    """A 'target' whose next-token logits are fixed: the diagnosis only reads the last row."""
+
+    def __init__(self, logits: list[float]) -> None:
+        super().__init__()
+        self.row = torch.nn.Parameter(torch.tensor(logits), requires_grad=False)
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        n = input_ids.shape[1]
+        return SimpleNamespace(logits=self.row.expand(1, n, -1))
+
+
+@pytest.mark.parametrize(
+    ("logits", "ours", "near_tie", "reason"),
+    [
+        ([0.0, 12.30, 12.05, 3.0], 2, True, None),  # tokens 1 and 2 are the top two, 0.25 apart
+        ([0.0, 12.30, 10.00, 3.0], 2, False, "logit gap too wide"),
+        ([0.0, 12.30, 12.20, 12.25], 2, False, "not the target's top two"),
+    ],
+)
+def test_mismatch_diagnosis(logits, ours, near_tie, reason) -> None:
+    target = _FixedLogits(logits)
+    baseline = [3, 0, 1, 3]  # the target's greedy choice at index 2 is token 1
+    out = diagnose_mismatch(target, [0, 3], [3, 0, ours, 0], baseline, tolerance=0.5)
+    assert out["index"] == 2 and out["near_tie"] is near_tie
+    assert out["baseline_token"] == 1 and out["speculative_token"] == ours
+    assert out["logit_gap"] == pytest.approx(abs(logits[1] - logits[ours]), abs=1e-5)
+    assert out.get("reason") == reason
+
+
+def test_mismatch_diagnosis_of_a_length_difference() -> None:
+    out = diagnose_mismatch(_FixedLogits([1.0, 0.0]), [0], [1, 1], [1, 1, 0], tolerance=0.5)
+    assert out == {"index": 2, "near_tie": False, "reason": "lengths differ after a common prefix"}
+
+
+def test_a_broken_verify_step_is_an_unexplained_mismatch(monkeypatch) -> None:
+    """If the loop emitted anything but the target's choice, eval must say so, not call it a tie:
+    here the verify step emits the target's least likely token after the first step."""
+    from flashdraft.speculative import Sampler
+
+    target = tiny_llama(initializer_range=0.3)
+    drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
+    drafter.reset_parameters(seed=0)
+    prompts = [[5, 17, 3, 42], [8, 11, 29]]
+    clean = evaluate_drafter(target, None, drafter, prompts, max_new_tokens=12)
+    assert clean["lossless"] and clean["lossless_up_to_ties"]
+    assert clean["near_tie_prompts"] == clean["unexplained_mismatch_prompts"] == 0
+    assert all("mismatch" not in e for e in clean["per_prompt"])
+
+    verify = Sampler.verify
+
+    def broken(self, drafts, draft_logits, target_logits):
+        accepted, token = verify(self, drafts, draft_logits, target_logits)
+        if drafts.shape[0] == 0:  # the B = 1 baseline stays honest
+            return accepted, token
+        return accepted, target_logits[accepted].argmin()
+
+    monkeypatch.setattr(Sampler, "verify", broken)
+    report = evaluate_drafter(target, None, drafter, prompts, max_new_tokens=12)
+    assert not report["lossless"] and not report["lossless_up_to_ties"]
+    assert report["unexplained_mismatch_prompts"] == 2 and report["near_tie_prompts"] == 0
+    for entry in report["per_prompt"]:
+        assert entry["mismatch"]["reason"] == "not the target's top two"
