@@ -147,11 +147,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        ctx_kv: tuple[Tensor, Tensor],
+        ctx: Tensor | tuple[Tensor, Tensor],
         rope_q: tuple[Tensor, Tensor],
         mask: Mask | None,
+        rope_ctx: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, rope_q, mask)
+        """ctx: this layer's projected context K/V (decoding, from the cache), or with
+        `rope_ctx` the fused context states [R, T, H], projected here. Training projects inside
+        the layer's forward: FSDP2 gathers a layer's weights only for its forward, and the
+        compiled layer is then one graph with its K/V projection."""
+        if rope_ctx is not None:
+            assert isinstance(ctx, Tensor)
+            ctx = self.self_attn.project_kv(ctx, *rope_ctx)
+        assert isinstance(ctx, tuple)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -226,8 +235,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            ctx_kv = layer.self_attn.project_kv(ctx, *rope_ctx)
-            x = layer(x, ctx_kv, rope_q, masks[layer.layer_type])
+            x = layer(x, ctx, rope_q, masks[layer.layer_type], rope_ctx)
         return self.norm(x)
 
     def build_masks(self, layout: BlockLayout, backend: Backend) -> dict[str, Mask | None]:

@@ -479,12 +479,19 @@ class Trainer:
             self._announce()
 
     def _announce(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
         c, plan = self.drafter_config, self.plan
         where = (
             f"{self.placement.dp_world} drafter replica(s)"
             if self.placement.kind == "colocated"
             else f"{len(self.placement.target_ranks)} target + {self.placement.dp_world} drafter rank(s)"
         )
+        # What the modules are, not what was asked for: a sharding that did not happen shows.
+        if isinstance(self.drafter.layers[0], FSDPModule):
+            where += " (drafter sharded, FSDP2)"
+        if self.target is not None and isinstance(decoder_layers(self.target.model)[0], FSDPModule):
+            where += f"; target layers sharded over {self.info.world} ranks (FSDP2)"
         print(
             f"flashdraft train: target {self.config.target.path} "
             f"({c.num_target_layers} layers), taps {c.target_layer_ids}, "
@@ -532,15 +539,31 @@ class Trainer:
             return float("-inf")
         return float(storage.read_json(url)["eval_tau"])
 
-    def _evaluate(self) -> dict[str, Any]:
-        """eval_* fields for this step's record; keeps the best-by-tau serving export."""
+    def _full_drafter(self) -> DFlashDrafter:
+        """The whole drafter as one module, for eval copies and exports. Sharded (FSDP2) it is
+        gathered: a collective over the drafter replicas, so every drafter rank calls this."""
+        if self.config.parallel.drafter_sharding != "fsdp" or self.placement.dp_world <= 1:
+            return self.drafter
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        full = DFlashDrafter(self.drafter_config)
+        full.load_state_dict(get_model_state_dict(self.drafter, options=options))
+        return full.to(self.device)
+
+    def _evaluate(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        """eval_* fields for this step's record; keeps the best-by-tau serving export.
+        `drafter` is the whole drafter (`_full_drafter`)."""
         from flashdraft.evaluate import evaluate_drafter
 
         assert self.target is not None
         # An eager bf16/fp32 copy: the decode context grows every step, which the compiled
         # (static-shape) training layers must not see.
         eager = DFlashDrafter(self.drafter_config)
-        eager.load_state_dict(self.drafter.state_dict())
+        eager.load_state_dict(drafter.state_dict())
         eager.to(self.device, self.head.weight.dtype).eval()
         report = evaluate_drafter(
             self.target.model,
@@ -561,7 +584,7 @@ class Trainer:
         if tau > self.best_tau:
             self.best_tau = tau
             best = storage.join(self.run_dir, "best")
-            save_dflash(self.drafter, best)
+            save_dflash(drafter, best)
             storage.write_json_atomic(
                 storage.join(best, "best.json"), {"step": self.step, "eval_tau": tau}
             )
@@ -751,17 +774,21 @@ class Trainer:
             eval_now = self.eval_on and (self.step % config.eval.every == 0 or finished)
             # Log at every checkpoint too, so a resumed run logs exactly the same intervals.
             if self.step % config.log.every == 0 or checkpoint_now or finished or eval_now:
-                extra = self._evaluate() if eval_now and self.placement.is_logger else {}
+                extra = {}
+                if eval_now:
+                    whole = self._full_drafter()  # every drafter rank: gathering is collective
+                    extra = self._evaluate(whole) if self.placement.is_logger else {}
                 last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
             if checkpoint_now or finished:
                 self._checkpoint()
         if progress is not None:
             progress.close()
+        whole = self._full_drafter()
         if self.placement.is_logger:
             export = storage.join(self.run_dir, "export")
-            save_dflash(self.drafter, export)
-            verify_export(self.drafter, export)
+            save_dflash(whole, export)
+            verify_export(whole, export)
             print(f"flashdraft train: done; serving-format drafter in {export}", flush=True)
         if self.logger is not None:
             self.logger.close()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import read_metrics, train_settings
 
 from flashdraft import cli
@@ -16,7 +17,7 @@ from flashdraft import cli
 COMPARED = ("loss", "tau_hat", "acc", "trained_slots", "tokens", "rows")
 
 
-def _torchrun(nproc: int, settings: list[str], *extra: str) -> None:
+def _torchrun(nproc: int, settings: list[str], *extra: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
@@ -32,6 +33,7 @@ def _torchrun(nproc: int, settings: list[str], *extra: str) -> None:
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,9 @@ def _same_curve(got: list[dict], want: list[dict]) -> None:
             "split",
             {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
         ),
+        # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
+        # for one GPU); the drafter replicas still see the whole target's features
+        ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
     ],
 )
 def test_two_processes_match_one_on_the_same_global_batch(
@@ -67,9 +72,43 @@ def test_two_processes_match_one_on_the_same_global_batch(
 ) -> None:
     run = tmp_path / placement
     settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, **extra})
-    _torchrun(2, settings)
+    out = _torchrun(2, settings)
+    assert ("target layers sharded over 2 ranks" in out) == (placement == "sharded-target")
     _same_curve(read_metrics(run), single)
     assert (run / "export" / "model.safetensors").exists()
+
+
+def test_fsdp_drafter_matches_one_process_and_exports_full_weights(
+    tmp_path, tiny_qwen3_dir, qwen_data, single
+) -> None:
+    """drafter_sharding = "fsdp": the same curve as one process, and the in-training eval,
+    the best-by-tau export and the final export see the whole drafter, not a rank's shard."""
+    from safetensors.torch import load_file
+
+    prompts = tmp_path / "held_out.jsonl"
+    prompts.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Name three colours."}]}) + "\n"
+    )
+    run = tmp_path / "fsdp"
+    extra = {
+        "optim.max_steps": 8,
+        "optim.grad_accum": 1,
+        "parallel.drafter_sharding": '"fsdp"',
+        "eval.every": 4,
+        "eval.prompts": f'"{prompts}"',
+        "eval.max_new_tokens": 8,
+    }
+    out = _torchrun(2, train_settings(run, tiny_qwen3_dir, qwen_data, **extra))
+    assert "(drafter sharded, FSDP2)" in out
+    records = read_metrics(run)
+    _same_curve([r for r in records if "loss" in r], single)
+    assert sorted(r["step"] for r in records if "eval_tau" in r) == [4, 8]
+    final = load_file(str(run / "checkpoints" / "step_00000008" / "drafter.safetensors"))
+    export = load_file(str(run / "export" / "model.safetensors"))
+    assert (run / "best" / "model.safetensors").exists()
+    for name, tensor in export.items():
+        assert tensor.shape == final[name].shape, name  # whole tensors, not a rank's half
+        assert torch.equal(tensor, final[name].to(tensor.dtype)), name
 
 
 def test_resume_on_a_different_world_size(tmp_path, tiny_qwen3_dir, qwen_data, single) -> None:
@@ -106,6 +145,9 @@ def test_split_placement_needs_a_drafter_rank() -> None:
             "split",
             {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
         ),
+        # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
+        # for one GPU); the drafter replicas still see the whole target's features
+        ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
     ],
 )
 def test_two_gpus_match_one_gpu_on_the_same_global_batch(
