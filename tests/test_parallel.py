@@ -148,6 +148,7 @@ def test_split_placement_needs_a_drafter_rank() -> None:
         # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
         # for one GPU); the drafter replicas still see the whole target's features
         ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
+        ("fsdp-drafter", {"optim.grad_accum": 1, "parallel.drafter_sharding": '"fsdp"'}),
     ],
 )
 def test_two_gpus_match_one_gpu_on_the_same_global_batch(
