@@ -251,7 +251,13 @@ def run(args: argparse.Namespace) -> int:
         from flashdraft.export import load_dflash, verify_export
 
         verify_export(load_dflash(str(run_dir / "export"), torch.float32), str(run_dir / "export"))
-    _summary(out, times)
+    unexplained = _summary(out, times)
+    if unexplained:  # the loop emitted something the target would not: never pass silently
+        print(
+            f"flashdraft demo: FAILED: {unexplained} output(s) differ from the target's greedy "
+            "decoding without a near-tie of its logits (see `mismatch` in the eval reports)"
+        )
+        return 1
     return 0
 
 
@@ -271,7 +277,9 @@ def _save_untrained(target: str, size: dict[str, Any], path: Path) -> None:
     save_dflash(init_seeded(drafter_config, seed=0), str(path))
 
 
-def _summary(out: Path, times: dict[str, float]) -> None:
+def _summary(out: Path, times: dict[str, float]) -> int:
+    """Prints the results table and writes summary.json; returns the number of unexplained
+    mismatches with the target's greedy decoding (0 unless the decode loop is wrong)."""
     before = storage.read_json(str(out / "eval_untrained.json"))
     after = storage.read_json(str(out / "eval_trained.json"))
     plot = out / "acceptance.png"
@@ -326,6 +334,7 @@ def _summary(out: Path, times: dict[str, float]) -> None:
             "lossless_up_to_ties_trained": after.get("lossless_up_to_ties"),
         },
     )
+    return sum(unexplained)
 
 
 def _plot(before: dict, after: dict, path: Path) -> None:

@@ -40,3 +40,10 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys) -> None:
     assert "flashdraft demo: results" in printed and "untrained" in printed
     # A second run reuses every finished stage instead of redoing it.
     assert cli.main(["demo", *args]) == 0
+    # An output the target would not have produced (and no near-tie explains) fails the demo.
+    report = json.loads((out / "eval_trained.json").read_text())
+    report["unexplained_mismatch_prompts"] = 1
+    (out / "eval_trained.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert cli.main(["demo", *args]) == 1
+    assert "FAILED: 1 output(s) differ" in capsys.readouterr().out
