@@ -9,6 +9,7 @@ One process per GPU; every process builds the same random-weight Qwen3-8B-shaped
 
     python bench/parallel.py --all            # runs the three configurations, prints a table
     torchrun --nproc-per-node 2 bench/parallel.py --placement split   # one configuration
+    torchrun --nproc-per-node 4 bench/parallel.py --placement split --target-ranks 2   # 2 + 2
     python bench/parallel.py --all --smoke    # tiny, CPU (gloo), checks the script runs
 
 Global tokens/s = rows per step x real tokens per row / mean step time (logging rank), timed
@@ -46,6 +47,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--all", action="store_true", help="run 1-GPU, 2-GPU colocated and split")
     p.add_argument("--placement", default="colocated", choices=["colocated", "split"])
     p.add_argument("--gpus", type=int, default=2)
+    p.add_argument(
+        "--target-ranks",
+        type=int,
+        default=1,
+        help="split: ranks that run the target (2 of 4: 2 + 2)",
+    )
     add_geometry_arguments(p)
     p.add_argument("--row-tokens", type=int, default=8192)
     p.add_argument("--grad-accum", type=int, default=2)
@@ -89,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         "log.tensorboard=false",
         "log.progress=false",
         f"parallel.placement={args.placement}",
-        "parallel.target_ranks=1",
+        f"parallel.target_ranks={args.target_ranks}",
         f"compile={str(device_kind == 'cuda').lower()}",
     ]
     config = load_run_config(None, overrides)
