@@ -22,7 +22,7 @@ import torch
 from flashdraft.attention import default_backend
 from flashdraft.benchutil import environment, matmul_peak, measure, print_json, print_table
 from flashdraft.blocks import sample_anchors, slot_weights
-from flashdraft.config import DrafterConfig
+from flashdraft.config import DrafterConfig, default_target_layer_ids
 from flashdraft.drafter import DFlashDrafter, param_count
 from flashdraft.head import TargetHead
 from flashdraft.parallel import compile_drafter
@@ -69,7 +69,7 @@ def make_config(args: argparse.Namespace) -> DrafterConfig:
         vocab_size=args.vocab,
         block_size=args.block,
         num_target_layers=36,
-        target_layer_ids=list(range(1, 1 + 8 * args.taps, 8)),
+        target_layer_ids=default_target_layer_ids(36, args.taps),  # Qwen3-8B depth
         mask_token_id=args.vocab - 1,
     )
 

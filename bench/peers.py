@@ -78,8 +78,9 @@ class Geometry:
     @property
     def layer_ids(self) -> list[int]:
         """SPEC 3 default ids (Qwen3-8B, 5 taps -> [1, 9, 17, 25, 33]); SpecForge's rule agrees."""
-        n, big = self.taps, self.target_layers
-        return [big // 2] if n == 1 else [round(1 + i * (big - 4) / (n - 1)) for i in range(n)]
+        from flashdraft.config import default_target_layer_ids
+
+        return default_target_layer_ids(self.target_layers, self.taps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +358,8 @@ def run_speculators(case: Case, g: Geometry, device: torch.device) -> dict[str, 
         transformer_layer_config=layer_config,
         draft_vocab_size=g.vocab,
         block_size=g.block,
-        aux_hidden_state_layer_ids=g.layer_ids,
+        # speculators / vLLM convention: z-lab id + 1 (as flashdraft.export writes it)
+        aux_hidden_state_layer_ids=[i + 1 for i in g.layer_ids],
         mask_token_id=g.mask_token,
         sample_from_anchor=False,
         speculators_config=SpeculatorsConfig(

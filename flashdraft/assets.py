@@ -85,12 +85,18 @@ def smollm2_path(root: Path | None = None) -> Path:
     model.tie_weights()
     # SmolLM2's real end of turn is <|im_end|> (id 2), as its generation config says.
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return _save_once(target, model, tokenizer)
+
+
+def _save_once(target: Path, model: Any, tokenizer: Any) -> Path:
+    """save_pretrained into a temporary sibling, then rename: an interrupted save never leaves
+    a directory that looks complete, and a concurrent builder that got there first wins."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if target.exists():  # a concurrent conversion won the race
+        if target.exists():
             shutil.rmtree(tmp)
         else:
             tmp.rename(target)
@@ -144,9 +150,7 @@ def tiny_qwen3(
         ],
         pad_token_id=tokenizer.pad_token_id,
     )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_once(path, model, tokenizer)
 
 
 def chitchat_conversations(limit: int | None = None, seed: int = 0) -> list[dict[str, Any]]:

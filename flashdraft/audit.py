@@ -24,7 +24,7 @@ import hashlib
 import itertools
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -92,13 +92,8 @@ def add_threshold_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
-    return Thresholds(
-        max_repeated_share=args.max_repeated_share,
-        min_median_loss_tokens=args.min_median_loss_tokens,
-        max_empty_share=args.max_empty_share,
-        max_all_ones_share=args.max_all_ones_share,
-        max_truncated_share=args.max_truncated_share,
-    )
+    """The `add_threshold_arguments` options (one per Thresholds field, same names)."""
+    return Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
 
 
 # -- statistics ------------------------------------------------------------------------------

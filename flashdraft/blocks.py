@@ -90,8 +90,9 @@ def block_inputs(
 ) -> tuple[Tensor, Tensor]:
     """Block tokens and positions, [R, A*B] each: `[x_a, MASK...]` at `pos_a + 0..B-1`."""
     rows, num = anchors.shape
-    ids = torch.full((rows, num, block_size), mask_token_id, dtype=input_ids.dtype)
-    ids = ids.to(input_ids.device)
+    ids = torch.full(
+        (rows, num, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
     ids[:, :, 0] = input_ids.gather(1, anchors)
     offsets = torch.arange(block_size, device=anchors.device)
     positions = position_ids.gather(1, anchors)[:, :, None] + offsets

@@ -17,13 +17,10 @@ Nothing here unpickles: tensors go through safetensors, everything else is JSON.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from flashdraft import storage
@@ -59,29 +56,14 @@ def latest_checkpoint(run: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def save_tensors(url: str, tensors: dict[str, Tensor]) -> None:
-    """safetensors to any URL (written locally first: safetensors needs a real file)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, "t.safetensors")
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, local)
-        with open(local, "rb") as f:
-            storage.write_bytes_atomic(url, f.read())
-
-
-def load_tensors(url: str) -> dict[str, Tensor]:
-    if storage.is_local(url):
-        return load_file(storage.filesystem(url)[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, "t.safetensors")
-        with storage.open_url(url, "rb") as src, open(local, "wb") as dst:
-            dst.write(src.read())
-        return load_file(local)
-
-
 def save_drafter(url: str, drafter: DFlashDrafter) -> None:
     """The drafter part of a checkpoint: fp32 weights + its config."""
-    save_tensors(storage.join(url, "drafter.safetensors"), drafter.state_dict())
-    storage.write_json_atomic(storage.join(url, "drafter_config.json"), drafter.config.to_dict())
+    _write_drafter(url, drafter.state_dict(), drafter.config)
+
+
+def _write_drafter(url: str, weights: dict[str, Tensor], config: DrafterConfig) -> None:
+    storage.write_tensors(storage.join(url, "drafter.safetensors"), weights)
+    storage.write_json_atomic(storage.join(url, "drafter_config.json"), config.to_dict())
 
 
 def is_training_checkpoint(url: str) -> bool:
@@ -106,7 +88,7 @@ def load_drafter(url: str, num_target_layers: int | None = None) -> DFlashDrafte
         url = latest
     config = DrafterConfig.from_dict(storage.read_json(storage.join(url, "drafter_config.json")))
     drafter = DFlashDrafter(config)
-    drafter.load_state_dict(load_tensors(storage.join(url, "drafter.safetensors")))
+    drafter.load_state_dict(storage.read_tensors(storage.join(url, "drafter.safetensors")))
     return drafter
 
 
@@ -176,19 +158,18 @@ def save_checkpoint(
         fs, path = storage.filesystem(url)
         fs.rm(path, recursive=True)
     storage.makedirs(url)
-    save_tensors(storage.join(url, "drafter.safetensors"), model_sd)
     config = getattr(drafter, "config", None)
     assert isinstance(config, DrafterConfig)
-    storage.write_json_atomic(storage.join(url, "drafter_config.json"), config.to_dict())
+    _write_drafter(url, model_sd, config)
     tensors = {
         f"{name}/{key}": value
         for name, entry in optim_sd["state"].items()
         for key, value in entry.items()
         if isinstance(value, Tensor)
     }
-    save_tensors(storage.join(url, "optimizer.safetensors"), tensors)
+    storage.write_tensors(storage.join(url, "optimizer.safetensors"), tensors)
     rng_meta, rng_tensors = rng_state()
-    save_tensors(storage.join(url, "rng.safetensors"), rng_tensors)
+    storage.write_tensors(storage.join(url, "rng.safetensors"), rng_tensors)
     groups = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}
         for group in optim_sd["param_groups"]
@@ -216,9 +197,9 @@ def load_checkpoint(
         raise ValueError(f"{url} is not a complete checkpoint (no {COMPLETE} marker)")
     state = dict(storage.read_json(storage.join(url, "state.json")))
     options = StateDictOptions(full_state_dict=True)
-    weights: Any = load_tensors(storage.join(url, "drafter.safetensors"))
+    weights: Any = storage.read_tensors(storage.join(url, "drafter.safetensors"))
     set_model_state_dict(drafter, weights, options=options)
-    flat = load_tensors(storage.join(url, "optimizer.safetensors"))
+    flat = storage.read_tensors(storage.join(url, "optimizer.safetensors"))
     per_param: Any = {}
     for key, value in flat.items():
         name, _, field_name = key.rpartition("/")
@@ -233,5 +214,5 @@ def load_checkpoint(
         {"state": per_param, "param_groups": groups},
         options=options,
     )
-    set_rng_state(state.pop("rng"), load_tensors(storage.join(url, "rng.safetensors")))
+    set_rng_state(state.pop("rng"), storage.read_tensors(storage.join(url, "rng.safetensors")))
     return state

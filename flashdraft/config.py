@@ -125,11 +125,8 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DrafterConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown drafter config field(s) {unknown}")
-        return cls(**data)
+        result: DrafterConfig = _build(cls, data, "drafter_config.")
+        return result
 
     @classmethod
     def from_target_config(
@@ -149,7 +146,7 @@ class DrafterConfig:
         `sliding_layers` lists the draft layers (0-based) that use sliding attention with
         window `sliding_window`; all others attend to the whole context.
         """
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        text = text_config(hf_config)
         num_target_layers = int(text.num_hidden_layers)
         heads = int(text.num_attention_heads)
         ids = (
@@ -184,6 +181,11 @@ class DrafterConfig:
         )
 
 
+def text_config(hf_config: Any) -> Any:
+    """The language-model part of an HF config (multimodal configs nest it)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
 def choose_mask_token_id(hf_config: Any, tokenizer: Any) -> tuple[int, str]:
     """An id for the drafter's MASK token that exists in the target's embedding table.
 
@@ -191,7 +193,7 @@ def choose_mask_token_id(hf_config: Any, tokenizer: Any) -> tuple[int, str]:
     tokenizer when the table is padded (Qwen3: 151669); otherwise a special token that chat
     formatting never emits. Never an id outside the table (SPEC trap 6).
     """
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
     vocab = int(text.vocab_size)
     mask_id = getattr(tokenizer, "mask_token_id", None)
     if mask_id is not None and 0 <= mask_id < vocab:

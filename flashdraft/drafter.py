@@ -93,7 +93,7 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """KV-injection attention: queries from the block, keys/values from [context ; block]."""
 
-    def __init__(self, config: DrafterConfig, layer_idx: int) -> None:
+    def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: DrafterConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -147,20 +147,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        ctx: Tensor | tuple[Tensor, Tensor],
+        ctx: Tensor,
+        rope_ctx: tuple[Tensor, Tensor],
         rope_q: tuple[Tensor, Tensor],
         mask: Mask | None,
-        rope_ctx: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """ctx: this layer's projected context K/V (decoding, from the cache), or with
-        `rope_ctx` the fused context states [R, T, H], projected here. Training projects inside
-        the layer's forward: FSDP2 gathers a layer's weights only for its forward, and the
-        compiled layer is then one graph with its K/V projection."""
-        if rope_ctx is not None:
-            assert isinstance(ctx, Tensor)
-            ctx = self.self_attn.project_kv(ctx, *rope_ctx)
-        assert isinstance(ctx, tuple)
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, mask)
+        """Training: ctx [R, T, H] fused context states, projected to K/V here, inside the
+        layer's forward: FSDP2 gathers a layer's weights only for its forward, and the compiled
+        layer is one graph with its K/V projection."""
+        return self.decode(x, self.self_attn.project_kv(ctx, *rope_ctx), rope_q, mask)
+
+    def decode(
+        self,
+        x: Tensor,
+        ctx_kv: tuple[Tensor, Tensor],
+        rope_q: tuple[Tensor, Tensor],
+        mask: Mask | None,
+    ) -> Tensor:
+        """Decoding: this layer's projected context K/V [1, Hkv, C, D] from the cache. Only
+        ever called on an unsharded, uncompiled drafter (the eval copy)."""
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, rope_q, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,7 +241,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            x = layer(x, ctx, rope_q, masks[layer.layer_type], rope_ctx)
+            x = layer(x, ctx, rope_ctx, rope_q, masks[layer.layer_type])
         return self.norm(x)
 
     def build_masks(self, layout: BlockLayout, backend: Backend) -> dict[str, Mask | None]:
@@ -273,12 +279,18 @@ class DFlashDrafter(nn.Module):
         assert cache.length == start, (cache.length, start)
         positions = torch.arange(start, start + b, device=block_embeds.device)[None]
         rope_q = self.rotary(positions, block_embeds.dtype)
+        masks = {
+            kind: decode_mask(start, b, window, block_embeds.device)
+            for kind, window in (
+                ("full_attention", None),
+                ("sliding_attention", self.config.sliding_window),
+            )
+            if kind in self.config.layer_types
+        }
         x = block_embeds
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            window = self.config.sliding_window if layer.layer_type == "sliding_attention" else None
-            mask = decode_mask(start, b, window, x.device)
-            x = layer(x, (cache.keys[i], cache.values[i]), rope_q, mask)
+            x = layer.decode(x, (cache.keys[i], cache.values[i]), rope_q, masks[layer.layer_type])
         return self.norm(x)
 
     def num_flops_per_query_token(self, context_len: int, num_queries: int) -> float:

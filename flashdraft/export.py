@@ -18,12 +18,9 @@ Loading accepts both, including drafters published by z-lab, for warm starts and
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from flashdraft import storage
@@ -163,12 +160,8 @@ def _read_weights(url: str) -> dict[str, Tensor]:
         else [WEIGHTS]
     )
     weights: dict[str, Tensor] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in files:
-            local = os.path.join(tmp, name)
-            with storage.open_url(storage.join(url, name), "rb") as src, open(local, "wb") as dst:
-                dst.write(src.read())
-            weights.update(load_file(local))
+    for name in files:
+        weights.update(storage.read_tensors(storage.join(url, name)))
     return weights
 
 
@@ -365,11 +358,7 @@ def save_speculators(
 
 def _write_weights(drafter: DFlashDrafter, url: str) -> None:
     storage.makedirs(url)
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, WEIGHTS)
-        save_file(serving_state_dict(drafter), local, metadata={"format": "pt"})
-        with open(local, "rb") as f:
-            storage.write_bytes_atomic(storage.join(url, WEIGHTS), f.read())
+    storage.write_tensors(storage.join(url, WEIGHTS), serving_state_dict(drafter), {"format": "pt"})
 
 
 def export_format(url: str) -> str:

@@ -145,14 +145,9 @@ def _prompt_completion(record: dict[str, Any]) -> Conversation:
     messages = _prompt_messages(record)
     if isinstance(completion, list):
         return [*messages, *(_message(m, len(messages) + i) for i, m in enumerate(completion))]
-    answer = _message(
-        {
-            "role": "assistant",
-            "content": completion,
-            "reasoning_content": record.get("reasoning", record.get("reasoning_content")),
-        },
-        len(messages),
-    )
+    # The record's reasoning, under any of its names, by the same first-non-null rule.
+    reasoning = {k: record[k] for k in REASONING_KEYS if k in record}
+    answer = _message({"role": "assistant", "content": completion, **reasoning}, len(messages))
     return [*messages, answer]
 
 

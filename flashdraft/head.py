@@ -24,18 +24,22 @@ class TargetHead:
     @classmethod
     def from_model(cls, model: Any) -> TargetHead:
         """From an HF causal LM; references its modules, copies nothing."""
-        config = model.config.get_text_config()
-        head = model.get_output_embeddings()
-        scale = float(getattr(config, "logit_scale", None) or 1.0)
-        granite = getattr(config, "logits_scaling", None)
+        return cls.from_parts(
+            model.get_input_embeddings(),
+            model.get_output_embeddings().weight,
+            model.config.get_text_config(),
+        )
+
+    @classmethod
+    def from_parts(cls, embedding: nn.Module, weight: Tensor, text_config: Any) -> TargetHead:
+        """From the embedding module, the LM-head weight and the target's text config, which
+        says how the target scales and caps its logits."""
+        scale = float(getattr(text_config, "logit_scale", None) or 1.0)
+        granite = getattr(text_config, "logits_scaling", None)
         if granite:
             scale /= float(granite)
-        return cls(
-            embedding=model.get_input_embeddings(),
-            weight=head.weight,
-            logit_scale=scale,
-            softcap=getattr(config, "final_logit_softcapping", None),
-        )
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        return cls(embedding=embedding, weight=weight, logit_scale=scale, softcap=softcap)
 
     @property
     def vocab_size(self) -> int:

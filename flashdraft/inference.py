@@ -148,13 +148,11 @@ class HFBackend:
         device: str | None = None,
         dtype: str = "auto",
     ) -> HFBackend:
-        import torch
-        from transformers import AutoModelForCausalLM
+        from flashdraft.target import load_target
 
         device = resolve_device(device)
-        torch_dtype = getattr(torch, resolve_dtype(dtype, device))
-        model: Any = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
-        return cls(model.to(device).eval(), sampling, stop_ids, pad_id)
+        model = load_target(target, resolve_dtype(dtype, device), None, device)
+        return cls(model, sampling, stop_ids, pad_id)
 
     def generate(
         self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]

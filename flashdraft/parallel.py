@@ -8,6 +8,8 @@ does every collective (NCCL on GPUs, gloo on CPU). Nothing here is a hand-made a
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from flashdraft.drafter import DFlashDrafter
 
@@ -105,10 +108,32 @@ def wrap_drafter(
             fully_shard(layer, mesh=mesh)
         fully_shard(drafter, mesh=mesh)
         return drafter
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return DistributedDataParallel(drafter, device_ids=device_ids, process_group=group)
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager[Any]:
+    """Context for one micro-batch's backward: reduce gradients across replicas or not (the
+    last micro-batch of a step reduces, the others only accumulate). DDP wraps (`no_sync`),
+    FSDP2 shards in place (`set_requires_gradient_sync`); a single replica has nothing to do."""
+    if enabled:
+        return nullcontext()
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
+    return nullcontext()
+
+
+@contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 # ---- placement: which rank runs what ----

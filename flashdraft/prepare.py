@@ -66,6 +66,8 @@ from flashdraft.dataset import (
 )
 from flashdraft.formats import RecordError, parse_line, parse_record, record_tools
 from flashdraft.template import (
+    THINKING,
+    TURNS,
     ChatTemplate,
     RenderedSample,
     TemplateOptions,
@@ -592,13 +594,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thinking",
-        choices=("keep", "strip", "off"),
+        choices=THINKING,
         default="keep",
         help="keep: train reasoning; strip: drop it; off: render in the template's non-thinking mode (default %(default)s)",
     )
     parser.add_argument(
         "--turns",
-        choices=("all", "last"),
+        choices=TURNS,
         default="all",
         help="train every assistant turn or only the last (default %(default)s)",
     )

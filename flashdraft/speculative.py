@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flashdraft.benchutil import sync
 from flashdraft.drafter import DFlashDrafter, DraftCache
 from flashdraft.head import TargetHead
 from flashdraft.target import LayerTaps
@@ -180,11 +181,6 @@ def cache_argument(model: nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -233,7 +229,7 @@ def decode(
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     prompt_len = prompt.shape[1]
 
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
     bonus = sampler.sample(out.logits[0, -1])
@@ -275,7 +271,7 @@ def decode(
             features = taps.features()[:, : accepted + 1]
             positions = torch.arange(start, start + accepted + 1, device=device)[None]
             drafter.extend_cache(draft_cache, features.to(_drafter_dtype(drafter)), positions)
-    _sync(device)
+    sync(device)
     t2 = time.perf_counter()
     if taps is not None:
         taps.captured.clear()  # the last verify's taps are not needed; free them

@@ -137,6 +137,26 @@ def write_json_atomic(url: str, obj: Any) -> None:
     write_text_atomic(url, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_tensors(
+    url: str, tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> None:
+    """A dict of tensors as one safetensors file at any URL (atomically where local)."""
+    from safetensors.torch import save
+
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_bytes_atomic(url, save(cpu, metadata=metadata))
+
+
+def read_tensors(url: str) -> dict[str, Any]:
+    """A safetensors file from any URL (memory-mapped where local); never unpickles."""
+    from safetensors.torch import load, load_file
+
+    if is_local(url):
+        return load_file(filesystem(url)[1])
+    with open_url(url, "rb") as f:
+        return load(f.read())
+
+
 def iter_lines(url: str) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes without the newline) for every line of a text file.
 

@@ -192,15 +192,13 @@ class Target:
             )
             next_tokens = None
             if label_positions is not None:
-                next_tokens = self.argmax_at(out.last_hidden_state, label_positions, chunk_rows)
+                next_tokens = self.head.argmax_at(
+                    out.last_hidden_state, label_positions, chunk_rows
+                )
         features = self.taps.features()  # outside inference mode: an ordinary tensor
         if next_tokens is not None:
             next_tokens = next_tokens.clone()
         return features, next_tokens
-
-    def argmax_at(self, last_hidden: Tensor, positions: Tensor, chunk_rows: int) -> Tensor:
-        """argmax of the target's logits at `positions` [R, ...] of last_hidden [R, T, H]."""
-        return self.head.argmax_at(last_hidden, positions, chunk_rows)
 
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token of the decoder stack (the LM head runs only at label

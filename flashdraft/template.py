@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from flashdraft.formats import Conversation, RecordError
@@ -67,18 +68,13 @@ _PROMPT_CACHE_SIZE = 4096
 
 # What a misbehaving template raises on one record (jinja's raise_exception, a missing field).
 _TEMPLATE_ERRORS: tuple[type[Exception], ...] = (
+    TemplateError,
     TypeError,
     ValueError,
     KeyError,
     AttributeError,
     IndexError,
 )
-try:
-    from jinja2 import TemplateError
-
-    _TEMPLATE_ERRORS = (TemplateError, *_TEMPLATE_ERRORS)
-except ImportError:  # transformers needs jinja2 for chat templates anyway
-    pass
 
 
 @dataclass(kw_only=True, slots=True)
@@ -461,6 +457,8 @@ class ChatTemplate:
                 and 0 <= at <= content
                 and probed.replace(_PROBE, "", 1) == body
             )
+            if len(self._empty_reasoning) >= _PROMPT_CACHE_SIZE:  # bounded, like _prompts
+                self._empty_reasoning.clear()
             self._empty_reasoning[before] = known
         return known
 

@@ -15,7 +15,7 @@ import argparse
 import json
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from flashdraft.blocks import data_next_tokens, slot_weights
 from flashdraft.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashdraft.config import (
     DrafterConfig,
+    LossSection,
     OptimSection,
     RunConfig,
     choose_mask_token_id,
@@ -36,6 +37,7 @@ from flashdraft.config import (
 from flashdraft.drafter import DFlashDrafter, init_seeded, param_count
 from flashdraft.export import load_dflash, save_dflash, verify_export
 from flashdraft.head import TargetHead
+from flashdraft.inference import resolve_dtype
 from flashdraft.loss import BlockStats
 from flashdraft.metrics import MetricsLogger
 from flashdraft.packing import Row, RowStream
@@ -48,6 +50,7 @@ from flashdraft.parallel import (
     compile_drafter,
     dp_all_reduce_sum,
     dp_barrier,
+    gradient_sync,
     init_distributed,
     receive_head,
     send_head,
@@ -132,12 +135,6 @@ class Interval:
     tokens: int = 0
     rows: int = 0
     started: float = field(default_factory=time.perf_counter)
-
-
-def _resolved_dtype(config: RunConfig, device: torch.device) -> str:
-    if config.target.dtype != "auto":
-        return config.target.dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[DrafterConfig, str]:
@@ -281,12 +278,12 @@ def plan_run(
 
 def _load_target(plan: RunPlan, target_model: Any, backend: Backend) -> Target:
     config, device = plan.config, plan.info.device
+    sharded = config.parallel.shard_target and plan.info.distributed
     if target_model is None:
-        dtype = _resolved_dtype(config, device)
+        dtype = resolve_dtype(config.target.dtype, device.type)
         attn = config.target.attn_implementation or (
             "flex_attention" if device.type == "cuda" else "sdpa"
         )
-        sharded = config.parallel.shard_target and plan.info.distributed
         target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
         if sharded:
             shard_target(decoder_layers(target_model))
@@ -295,7 +292,7 @@ def _load_target(plan: RunPlan, target_model: Any, backend: Backend) -> Target:
         target_model,
         plan.drafter_config.target_layer_ids,
         backend,
-        sharded=config.parallel.shard_target and plan.info.distributed,
+        sharded=sharded,
     )
     target.verify_taps()
     return target
@@ -312,7 +309,6 @@ def _head_tensors(head: TargetHead) -> list[Tensor]:
 
 def _remote_head(plan: RunPlan, dtype: torch.dtype) -> TargetHead:
     """The target's embedding and LM head, received once from the feeding target rank."""
-    text = plan.target_config.get_text_config()
     vocab, hidden = plan.drafter_config.vocab_size, plan.drafter_config.hidden_size
     embedding_w, head_w, scale = receive_head(
         [(vocab, hidden), (vocab, hidden), (1,)], dtype, plan.info.device, plan.placement.feeder
@@ -322,10 +318,7 @@ def _remote_head(plan: RunPlan, dtype: torch.dtype) -> TargetHead:
     module: nn.Module = (
         embedding if embed_scale == 1.0 else _ScaledEmbedding(embedding, embed_scale)
     )
-    head_scale = float(getattr(text, "logit_scale", None) or 1.0)
-    if getattr(text, "logits_scaling", None):
-        head_scale /= float(text.logits_scaling)
-    return TargetHead(module, head_w, head_scale, getattr(text, "final_logit_softcapping", None))
+    return TargetHead.from_parts(module, head_w, plan.target_config.get_text_config())
 
 
 class _ScaledEmbedding(nn.Module):
@@ -358,34 +351,50 @@ def serve_target(plan: RunPlan, target_model: Any = None) -> None:
         )
         for peer in consumers
     }
-    use_target_labels = config.loss.labels == "target"
     block = plan.drafter_config.block_size
     for _ in range(plan.start_step, plan.total_steps):
         for peer in consumers:
             for _ in range(config.optim.grad_accum):
                 row = next(streams[peer])
-                ids, positions, docs, anchors, label_pos = (
-                    t.to(info.device)[None]
-                    for t in (
-                        row.input_ids,
-                        row.position_ids,
-                        row.doc_ids,
-                        row.anchors,
-                        row.label_positions,
-                    )
+                put = device_put(info.device)
+                on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids))
+                features, next_tokens = target_outputs(
+                    target, row, (*on_device, put(row.anchors)), put, config.loss, block
                 )
-                features, next_tokens = target.forward_packed(
-                    ids,
-                    positions,
-                    docs,
-                    label_pos if use_target_labels else None,
-                    config.loss.chunk_rows,
-                )
-                if next_tokens is None:
-                    next_tokens = data_next_tokens(ids, anchors, block)
                 channels[peer].send(features, next_tokens)
     for channel in channels.values():
         channel.flush()
+
+
+def device_put(device: torch.device) -> Callable[[Tensor], Tensor]:
+    """A row tensor [T] -> [1, T] on `device`; on CUDA through pinned memory, asynchronously
+    (no host sync)."""
+    non_blocking = device.type == "cuda"
+
+    def put(t: Tensor) -> Tensor:
+        return (t.pin_memory() if non_blocking else t).to(device, non_blocking=non_blocking)[None]
+
+    return put
+
+
+def target_outputs(
+    target: Target,
+    row: Row,
+    on_device: tuple[Tensor, Tensor, Tensor, Tensor],
+    put: Callable[[Tensor], Tensor],
+    loss: LossSection,
+    block: int,
+) -> tuple[Tensor, Tensor]:
+    """The target's side of one row: (taps [1, T, K*H], next tokens [1, A, B-1]), the labels
+    from the target's own predictions or, with `loss.labels = "data"`, from the row's tokens.
+    `on_device`: the row's ids, positions, document ids and anchors, already put. Shared by
+    the colocated trainer and the split placement's target ranks."""
+    ids, positions, docs, anchors = on_device
+    label_pos = put(row.label_positions) if loss.labels == "target" else None
+    features, next_tokens = target.forward_packed(ids, positions, docs, label_pos, loss.chunk_rows)
+    if next_tokens is None:
+        next_tokens = data_next_tokens(ids, anchors, block)
+    return features, next_tokens
 
 
 class Trainer:
@@ -418,7 +427,7 @@ class Trainer:
         self.target: Target | None = None
         self.channel: FeatureChannel | None = None
         if self.placement.role == "drafter":
-            dtype = DTYPES[_resolved_dtype(config, self.device)]
+            dtype = DTYPES[resolve_dtype(config.target.dtype, self.device.type)]
             self.head = _remote_head(plan, dtype)
             self.channel = FeatureChannel(
                 self.placement.feeder,
@@ -487,6 +496,7 @@ class Trainer:
             if self.placement.kind == "colocated"
             else f"{len(self.placement.target_ranks)} target + {self.placement.dp_world} drafter rank(s)"
         )
+        long_samples = int((self.stream.num_tokens > self.config.data.row_tokens).sum())
         # What the modules are, not what was asked for: a sharding that did not happen shows.
         if isinstance(self.drafter.layers[0], FSDPModule):
             where += " (drafter sharded, FSDP2)"
@@ -501,6 +511,12 @@ class Trainer:
             f"A={self.config.loss.anchors}; {len(self.dataset)} samples -> {plan.total_rows} rows "
             f"of {self.config.data.row_tokens} tokens over {self.config.optim.epochs} epoch(s); "
             f"{self.total_steps} steps of {self.rows_per_step} rows; {self.placement.kind}: {where}"
+            + (
+                f"\n  {long_samples:,} sample(s) longer than a row: "
+                f"{self.config.data.overlong} (data.overlong)"
+                if long_samples
+                else ""
+            )
             + (
                 f"\n  resuming from {plan.resume_from} at step {self.step}"
                 if plan.resume_from
@@ -593,26 +609,16 @@ class Trainer:
     # ---- the step ----
 
     def _batch(self, row: Row) -> DraftBatch:
-        dev = self.device
-        non_blocking = dev.type == "cuda"
-
-        def put(t: Tensor) -> Tensor:
-            return (t.pin_memory() if non_blocking else t).to(dev, non_blocking=non_blocking)[None]
-
-        ids, positions, docs = put(row.input_ids), put(row.position_ids), put(row.doc_ids)
-        anchors = put(row.anchors)
+        put = device_put(self.device)
+        on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
+        ids, positions, docs, anchors = on_device
         if self.channel is not None:
             features, next_tokens = self.channel.receive(self._remaining)
             self._remaining -= 1
         else:
             assert self.target is not None
-            use_target_labels = self.config.loss.labels == "target"
-            label_pos = put(row.label_positions) if use_target_labels else None
-            features, maybe_next = self.target.forward_packed(
-                ids, positions, docs, label_pos, self.config.loss.chunk_rows
-            )
-            next_tokens = (
-                maybe_next if maybe_next is not None else data_next_tokens(ids, anchors, self.block)
+            features, next_tokens = target_outputs(
+                self.target, row, on_device, put, self.config.loss, self.block
             )
         return DraftBatch(
             input_ids=ids,
@@ -643,9 +649,7 @@ class Trainer:
             batch = self._batch(row)
             t1 = self.stopwatch.mark()
             last = m == len(rows) - 1
-            no_sync = getattr(self.model, "no_sync", None)  # DDP: reduce on the last row only
-            sync_grads = nullcontext() if last or no_sync is None else no_sync()
-            with sync_grads:
+            with gradient_sync(self.model, enabled=last):  # reduce on the last row only
                 with autocast:
                     loss, stats = draft_loss(
                         self.drafter,

@@ -226,3 +226,56 @@ def test_compiled_flex_drafter_matches_sdpa_forward_and_gradients_cuda() -> None
     for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
         rel = (p_fast.grad.float() - p_ref.grad).norm() / p_ref.grad.norm().clamp(min=1e-12)
         assert rel < 5e-2, (name, float(rel))
+
+
+def test_draft_block_matches_a_hand_written_spec_section_2_reference() -> None:
+    """SPEC 2 written out by hand for one block: ctx = hidden_norm(fc(taps)) once (not each
+    layer's input_layernorm); per layer q = q_norm(q_proj(xn)), k = k_norm(k_proj([ctx ; xn])),
+    v = v_proj([ctx ; xn]), context rows first, RoPE at absolute positions, bidirectional in
+    the block, GQA; pre-norm residuals, SwiGLU, final norm. Both drafter paths are checked
+    equal to each other elsewhere; this pins what they compute (non-unit norms everywhere)."""
+    from flashdraft.drafter import apply_rope
+
+    config = tiny_config()
+    drafter = tiny_drafter(config, seed=3)
+    head = tiny_head(config)
+    gen = torch.Generator().manual_seed(0)
+    a, b, h = 7, config.block_size, config.hidden_size
+    taps = torch.randn(1, a, config.num_taps * h, generator=gen)
+    block_ids = torch.tensor([[5] + [config.mask_token_id] * (b - 1)])
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+
+    def heads(x: torch.Tensor, n: int) -> torch.Tensor:  # [T, n*D] -> [n, T, D]
+        return x.view(x.shape[0], n, config.head_dim).transpose(0, 1)
+
+    with torch.no_grad():
+        ctx = rms(taps[0] @ drafter.fc.weight.T, drafter.hidden_norm.weight)  # [a, H]
+        positions = torch.arange(a + b)[None]
+        cos, sin = drafter.rotary(positions, torch.float32)
+        x = head.embed(block_ids)[0]  # [B, H]
+        groups = config.num_attention_heads // config.num_key_value_heads
+        for layer in drafter.layers:
+            at = layer.self_attn
+            xn = rms(x, layer.input_layernorm.weight)
+            kv_in = torch.cat([ctx, xn])  # context rows first, then the block
+            q = rms(heads(xn @ at.q_proj.weight.T, config.num_attention_heads), at.q_norm.weight)
+            k = rms(heads(kv_in @ at.k_proj.weight.T, config.num_key_value_heads), at.k_norm.weight)
+            v = heads(kv_in @ at.v_proj.weight.T, config.num_key_value_heads)
+            q = apply_rope(q[None], cos[:, a:], sin[:, a:])[0]  # block positions a..a+B-1
+            k = apply_rope(k[None], cos, sin)[0]  # context 0..a-1, then the block
+            k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+            scores = (q @ k.transpose(1, 2)) * config.head_dim**-0.5  # all visible
+            attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(b, -1)
+            x = x + attn @ at.o_proj.weight.T
+            xn = rms(x, layer.post_attention_layernorm.weight)
+            mlp = layer.mlp
+            gate, up = xn @ mlp.gate_proj.weight.T, xn @ mlp.up_proj.weight.T
+            x = x + (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
+        want = rms(x, drafter.norm.weight)
+
+        cache = DraftCache()
+        drafter.extend_cache(cache, taps, positions[:, :a])
+        got = drafter.draft_block(cache, head.embed(block_ids), start=a)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -50,6 +50,19 @@ def test_empty_reasoning_is_no_reasoning() -> None:
         assert (answer.reasoning, answer.content) == (None, "OK.")
 
 
+@pytest.mark.parametrize(
+    "reasoning",
+    [
+        {"reasoning": None, "reasoning_content": "plan"},  # an explicit null does not hide it
+        {"thinking": "plan"},
+        {"reasoning_content": "plan"},
+    ],
+)
+def test_prompt_completion_reasoning_under_any_of_its_names(reasoning: dict) -> None:
+    (_, answer) = parse_record({"prompt": "hi", "completion": "hello", **reasoning})
+    assert (answer.reasoning, answer.content) == ("plan", "hello")
+
+
 def test_sharegpt_and_prompt_completion_forms() -> None:
     sharegpt = parse_record(
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}

@@ -14,7 +14,7 @@ from helpers import read_metrics, train_settings
 
 from flashdraft import cli
 
-COMPARED = ("loss", "tau_hat", "acc", "trained_slots", "tokens", "rows")
+COMPARED = ("loss", "tau_hat", "acc", "grad_norm", "trained_slots", "tokens", "rows")
 
 
 def _torchrun(nproc: int, settings: list[str], *extra: str) -> str:
@@ -191,3 +191,35 @@ def test_four_processes_split_two_plus_two_match_one(tmp_path, tiny_qwen3_dir, q
     )
     _torchrun(4, settings)
     _same_curve(read_metrics(run), read_metrics(control))
+
+
+def test_gradient_sync_defers_the_reduction_for_ddp_and_fsdp2(monkeypatch) -> None:
+    """Gradient accumulation: every micro-batch but the last skips the cross-replica reduction,
+    with DDP's `no_sync` and FSDP2's `set_requires_gradient_sync` alike (FSDP2 modules have
+    no `no_sync`; probing for it silently reduced every micro-batch)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flashdraft.parallel import gradient_sync
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+        with gradient_sync(ddp, enabled=False):
+            assert not ddp.require_backward_grad_sync
+        assert ddp.require_backward_grad_sync
+
+        fsdp = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        calls: list[bool] = []
+        monkeypatch.setattr(fsdp, "set_requires_gradient_sync", calls.append)
+        with gradient_sync(fsdp, enabled=False):
+            assert calls == [False]
+        assert calls == [False, True]
+        with gradient_sync(fsdp, enabled=True):
+            pass
+        assert calls == [False, True]
+    finally:
+        dist.destroy_process_group()

@@ -222,3 +222,32 @@ def test_preflight_refuses_a_run_that_cannot_fit(monkeypatch, tiny_qwen3_dir) ->
     )
     with pytest.raises(ValueError, match=r"lower loss\.anchors"):
         preflight.check(config, drafter, target, 10**6, torch.device("cuda"))
+
+
+def test_every_micro_batch_is_normalised_by_the_whole_step(
+    monkeypatch, tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """SPEC trap: the loss is sum(w m CE) over the whole optimizer step divided by that step's
+    sum(w m), not a per-micro-batch mean. Every micro-batch of a step must get the same
+    normaliser, equal to the sum of the micro-batches' own sum(w m)."""
+    import flashdraft.train as train_module
+    from flashdraft.step import batch_normaliser
+
+    real = train_module.draft_loss
+    calls: list[tuple[float, float]] = []
+
+    def recording(drafter, head, batch, slot_w, normaliser, *args, **kwargs):
+        own = batch_normaliser(batch, drafter.config.block_size, slot_w)
+        calls.append((float(normaliser), float(own)))
+        return real(drafter, head, batch, slot_w, normaliser, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "draft_loss", recording)
+    run = tmp_path / "run"
+    extra = {"optim.grad_accum": 3, "optim.max_steps": 2, "checkpoint.every": 100}
+    assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, qwen_data, **extra)]) == 0
+    assert len(calls) == 6
+    for step in (calls[:3], calls[3:]):
+        given = {n for n, _ in step}
+        assert len(given) == 1, step  # one normaliser for the whole step
+        assert given.pop() == pytest.approx(sum(own for _, own in step))
+        assert len({own for _, own in step}) > 1  # the micro-batches differ: the test can fail
