@@ -19,14 +19,14 @@ import sys
 
 import torch
 
-from flashdraft.attention import default_backend
 from flashdraft.benchutil import environment, matmul_peak, measure, print_json, print_table
-from flashdraft.blocks import sample_anchors, slot_weights
-from flashdraft.config import DrafterConfig, default_target_layer_ids
-from flashdraft.drafter import DFlashDrafter, param_count
-from flashdraft.head import TargetHead
-from flashdraft.parallel import compile_drafter
-from flashdraft.step import DraftBatch, batch_normaliser, draft_loss
+from flashdraft.model.attention import default_backend
+from flashdraft.model.config import DrafterConfig, default_target_layer_ids
+from flashdraft.model.drafter import DFlashDrafter, param_count
+from flashdraft.model.head import TargetHead
+from flashdraft.train.blocks import sample_anchors, slot_weights
+from flashdraft.train.parallel import compile_drafter
+from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
 
 
 def parse() -> argparse.Namespace:

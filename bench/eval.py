@@ -36,19 +36,19 @@ from typing import Any
 import torch
 
 from flashdraft.assets import chitchat_conversations, humaneval_prompts, smollm2_path
-from flashdraft.attention import default_backend
 from flashdraft.benchutil import environment, measure, print_json, print_table
-from flashdraft.blocks import label_positions, sample_anchors, slot_weights
-from flashdraft.checkpoint import load_drafter
-from flashdraft.config import DrafterConfig, choose_mask_token_id
-from flashdraft.drafter import DFlashDrafter, DraftCache, init_seeded, param_count
-from flashdraft.evaluate import evaluate_drafter, plot_acceptance, render_prompt
+from flashdraft.eval.evaluate import evaluate_drafter, plot_acceptance, render_prompt
+from flashdraft.eval.speculative import cache_argument, eos_token_ids
 from flashdraft.export import save_dflash, verify_export
-from flashdraft.head import TargetHead
-from flashdraft.speculative import cache_argument, eos_token_ids
-from flashdraft.step import DraftBatch, batch_normaliser, draft_loss
+from flashdraft.model.attention import default_backend
+from flashdraft.model.config import DrafterConfig, choose_mask_token_id
+from flashdraft.model.drafter import DFlashDrafter, DraftCache, init_seeded, param_count
+from flashdraft.model.head import TargetHead
+from flashdraft.model.target import LayerTaps, Target, decoder_layers, load_target
 from flashdraft.storage import join, makedirs, write_bytes_atomic, write_json_atomic
-from flashdraft.target import LayerTaps, Target, decoder_layers, load_target
+from flashdraft.train.blocks import label_positions, sample_anchors, slot_weights
+from flashdraft.train.checkpoint import load_drafter
+from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
 
 
 def parse() -> argparse.Namespace:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from flashdraft.assets import chitchat_conversations, smollm2_path
-from flashdraft.generate import GenerateConfig, load_tokenizer, run_generation
-from flashdraft.inference import (
+from flashdraft.data.generate import GenerateConfig, load_tokenizer, run_generation
+from flashdraft.data.inference import (
     Sampling,
     load_backend,
     resolve_device,

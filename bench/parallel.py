@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from trainer import SyntheticDataset, add_geometry_arguments, smoke_geometry, target_model
 
 from flashdraft.benchutil import environment, print_json, print_table
-from flashdraft.config import load_run_config
-from flashdraft.parallel import barrier, init_distributed, shutdown
-from flashdraft.train import Interval, Trainer, plan_run, serve_target
+from flashdraft.train.config import load_run_config
+from flashdraft.train.parallel import barrier, init_distributed, shutdown
+from flashdraft.train.trainer import Interval, Trainer, plan_run, serve_target
 
 
 def parse() -> argparse.Namespace:

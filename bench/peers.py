@@ -78,7 +78,7 @@ class Geometry:
     @property
     def layer_ids(self) -> list[int]:
         """SPEC 3 default ids (Qwen3-8B, 5 taps -> [1, 9, 17, 25, 33]); SpecForge's rule agrees."""
-        from flashdraft.config import default_target_layer_ids
+        from flashdraft.model.config import default_target_layer_ids
 
         return default_target_layer_ids(self.target_layers, self.taps)
 
@@ -146,7 +146,7 @@ def make_row(g: Geometry, context: int, head: Tensor, device: torch.device) -> R
 
 
 def drafter_config(g: Geometry) -> Any:
-    from flashdraft.config import DrafterConfig
+    from flashdraft.model.config import DrafterConfig
 
     return DrafterConfig(
         hidden_size=g.hidden,
@@ -170,7 +170,7 @@ def seeded_weights(g: Geometry, device: torch.device) -> dict[str, Tensor]:
     weight`, `fc.weight`, ...); each worker loads this dict and checks every name and shape
     exists in its model, which is also a check that the three architectures agree.
     """
-    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.model.drafter import DFlashDrafter
 
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in DFlashDrafter(drafter_config(g)).named_parameters()}
@@ -211,12 +211,12 @@ def load_drafter_weights(module: nn.Module, weights: dict[str, Tensor]) -> None:
 
 
 def run_flashdraft(case: Case, g: Geometry, device: torch.device) -> dict[str, Any]:
-    from flashdraft.attention import default_backend
-    from flashdraft.blocks import label_positions, sample_anchors, slot_weights
-    from flashdraft.drafter import DFlashDrafter
-    from flashdraft.head import TargetHead
-    from flashdraft.parallel import compile_drafter
-    from flashdraft.step import DraftBatch, batch_normaliser, draft_loss
+    from flashdraft.model.attention import default_backend
+    from flashdraft.model.drafter import DFlashDrafter
+    from flashdraft.model.head import TargetHead
+    from flashdraft.train.blocks import label_positions, sample_anchors, slot_weights
+    from flashdraft.train.parallel import compile_drafter
+    from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
 
     dtype, autocast = compute_setup(device)
     chunk_rows = 2048
@@ -746,7 +746,7 @@ def add_rates(rows: list[dict[str, Any]], g: Geometry, peak: float | None) -> No
     B - 1 trained slots of each block. Work a framework adds (full-vocabulary verifier logits,
     recomputation) is not counted: it shows as a lower rate.
     """
-    from flashdraft.drafter import DFlashDrafter
+    from flashdraft.model.drafter import DFlashDrafter
 
     with torch.device("meta"):
         model = DFlashDrafter(drafter_config(g))

@@ -46,7 +46,7 @@ def run_once(
     source: Path, output: Path, workers: int, args: argparse.Namespace
 ) -> dict[str, float]:
     from flashdraft.assets import qwen3_tokenizer_dir
-    from flashdraft.prepare import PrepareConfig, prepare
+    from flashdraft.data.prepare import PrepareConfig, prepare
 
     config = PrepareConfig(
         inputs=[str(source)],

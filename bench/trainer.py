@@ -24,11 +24,11 @@ import tempfile
 import numpy as np
 import torch
 
-from flashdraft.bench import COLUMNS, summarise, time_trainer
 from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
-from flashdraft.config import load_run_config
-from flashdraft.parallel import init_distributed
-from flashdraft.train import Trainer, plan_run
+from flashdraft.train.bench import COLUMNS, summarise, time_trainer
+from flashdraft.train.config import load_run_config
+from flashdraft.train.parallel import init_distributed
+from flashdraft.train.trainer import Trainer, plan_run
 
 
 class SyntheticDataset:

@@ -17,16 +17,28 @@ from flashdraft import __version__
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": (
-        "flashdraft.prepare",
+        "flashdraft.commands.prepare",
         "turn conversations/completions into a trainable Arrow dataset",
     ),
-    "audit": ("flashdraft.audit", "check a prepared dataset for degenerate or broken samples"),
-    "generate": ("flashdraft.generate", "regenerate responses with the target (on-policy data)"),
-    "train": ("flashdraft.train", "train a drafter online against a frozen target"),
-    "eval": ("flashdraft.evaluate", "measure real acceptance (tau) with the draft-and-verify loop"),
-    "export": ("flashdraft.export", "write a checkpoint in a serving format (dflash, speculators)"),
-    "bench": ("flashdraft.bench", "time target, drafter and full step for a run config"),
-    "demo": ("flashdraft.demo", "the whole pipeline on SmolLM2-135M, end to end"),
+    "audit": (
+        "flashdraft.commands.audit",
+        "check a prepared dataset for degenerate or broken samples",
+    ),
+    "generate": (
+        "flashdraft.commands.generate",
+        "regenerate responses with the target (on-policy data)",
+    ),
+    "train": ("flashdraft.commands.train", "train a drafter online against a frozen target"),
+    "eval": (
+        "flashdraft.commands.eval",
+        "measure real acceptance (tau) with the draft-and-verify loop",
+    ),
+    "export": (
+        "flashdraft.commands.export",
+        "write a checkpoint in a serving format (dflash, speculators)",
+    ),
+    "bench": ("flashdraft.commands.bench", "time target, drafter and full step for a run config"),
+    "demo": ("flashdraft.commands.demo", "the whole pipeline on SmolLM2-135M, end to end"),
 }
 
 # User mistakes surface as these; anything else is a bug and keeps its traceback.

@@ -1,376 +1,232 @@
-"""Typed configs: the drafter geometry (and, with the trainer, the run config).
+"""Typed configs: one dataclass per command is the single source of its options.
 
-Everything here is plain data with validation; no torch modules are built in this file.
+A config is a `@dataclass(kw_only=True, slots=True)` whose fields are declared with `option`
+(help, allowed range or choices, how it appears on the command line, whether it is recorded).
+From that one declaration this module derives everything that used to be written out by hand:
+
+* validation (`validate`, called from `__post_init__`): the value's type from the annotation
+  and its range or choices; a bad value is one `ConfigError` line naming the key, the value
+  and what is allowed;
+* the command line (`add_arguments` / `from_args`): one flag per field, nested configs
+  flattened, booleans as `--flag` / `--no-flag`;
+* files and overrides (`build`, `apply_overrides`, `load_file`): a nested dict (TOML or
+  JSON, plus dotted `--set a.b=v`) to the nested config, unknown keys refused by name;
+* the settings a command writes into its outputs (`settings`): the fields carrying a tag.
+
+Nothing here knows about any particular command; it imports only the standard library.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+import functools
+import json
+import math
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """SPEC section 3: z-lab ids (id i = output of decoder layer i) spread over the target.
-
-    One id -> the middle layer; otherwise evenly spaced over [1, L - 3] with Python's
-    round (the rounding z-lab, vLLM and SGLang use: L=36, N=5 -> [1, 9, 17, 25, 33]).
-    """
-    if num_draft_layers < 1:
-        raise ValueError(f"need at least one draft layer, got {num_draft_layers}")
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 5:
-        raise ValueError(
-            f"a target with {num_target_layers} layers is too shallow for the default tap rule; "
-            "pass target_layer_ids explicitly"
-        )
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+_MISSING: Any = dataclasses.MISSING
 
 
-def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
-    """RoPE settings of an HF config as a transformers-5 `rope_parameters` dict.
+class ConfigError(ValueError):
+    """A config value that is not allowed. `key` is the field's dotted name, filled in by
+    the caller that knows where the config sits (`build` prefixes section names)."""
 
-    transformers 5 keeps them in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`.
-    """
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        out = dict(params)
-    else:
-        theta = getattr(hf_config, "rope_theta", None)
-        if theta is None:
-            raise ValueError("target config has no rope_theta / rope_parameters")
-        scaling = getattr(hf_config, "rope_scaling", None) or {}
-        out = {"rope_type": "default", **dict(scaling), "rope_theta": float(theta)}
-        if "type" in out and "rope_type" not in scaling:
-            out["rope_type"] = out.pop("type")
-    out.setdefault("rope_type", "default")
-    return out
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        return f"{self.key} = {self.value!r} is not allowed: {self.allowed}"
+
+    def within(self, prefix: str) -> ConfigError:
+        """The same error with the key under `prefix` (e.g. "optim.")."""
+        return ConfigError(prefix + self.key, self.value, self.allowed)
 
 
-@dataclass(kw_only=True, slots=True)
-class DrafterConfig:
-    """Geometry of a DFlash drafter (SPEC section 2). H (hidden) always equals the target's."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int = 5
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
-    )
-    max_position_embeddings: int = 40960
-    vocab_size: int
-    block_size: int = 16
-    num_target_layers: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    layer_types: list[str] = field(default_factory=list)
-    sliding_window: int | None = None
-    initializer_range: float = 0.02
-
-    def __post_init__(self) -> None:
-        if not self.layer_types:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} "
-                "draft layers; give one per layer"
-            )
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        if bad:
-            raise ValueError(f"unknown layer type(s) {bad}; use one of {LAYER_TYPES}")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("sliding_attention layers need sliding_window > 0")
-        if self.block_size < 2:
-            raise ValueError(
-                f"block_size must be >= 2 (one anchor + drafts), got {self.block_size}"
-            )
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids is empty")
-        out_of_range = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if out_of_range:
-            raise ValueError(
-                f"target_layer_ids {out_of_range} are outside the target's "
-                f"{self.num_target_layers} layers (z-lab convention: id i = output of layer i, "
-                f"0-based, so ids run 0..{self.num_target_layers - 1})"
-            )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is outside the target's embedding table "
-                f"(vocab_size {self.vocab_size}); pick an id the table holds, e.g. a reserved "
-                "special token"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
-            )
-        if "rope_theta" not in self.rope_parameters:
-            raise ValueError("rope_parameters needs rope_theta")
-
-    @property
-    def num_taps(self) -> int:
-        """K, the number of tapped target layers (the fc input is K * H wide)."""
-        return len(self.target_layer_ids)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DrafterConfig:
-        result: DrafterConfig = _build(cls, data, "drafter_config.")
-        return result
-
-    @classmethod
-    def from_target_config(
-        cls,
-        hf_config: Any,
-        *,
-        mask_token_id: int,
-        num_layers: int = 5,
-        block_size: int = 16,
-        target_layer_ids: list[int] | None = None,
-        sliding_window: int | None = None,
-        sliding_layers: list[int] | None = None,
-        intermediate_size: int | None = None,
-    ) -> DrafterConfig:
-        """Drafter geometry mirroring the target (z-lab recipe), `num_layers` deep.
-
-        `sliding_layers` lists the draft layers (0-based) that use sliding attention with
-        window `sliding_window`; all others attend to the whole context.
-        """
-        text = text_config(hf_config)
-        num_target_layers = int(text.num_hidden_layers)
-        heads = int(text.num_attention_heads)
-        ids = (
-            list(target_layer_ids)
-            if target_layer_ids is not None
-            else default_target_layer_ids(num_target_layers, num_layers)
-        )
-        sliding = set(sliding_layers or [])
-        if sliding and not sliding_window:
-            raise ValueError("sliding_layers given without sliding_window")
-        if any(not 0 <= i < num_layers for i in sliding):
-            raise ValueError(f"sliding_layers {sorted(sliding)} outside 0..{num_layers - 1}")
-        return cls(
-            hidden_size=int(text.hidden_size),
-            intermediate_size=int(intermediate_size or text.intermediate_size),
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_parameters=rope_parameters_of(text),
-            max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
-            vocab_size=int(text.vocab_size),
-            block_size=block_size,
-            num_target_layers=num_target_layers,
-            target_layer_ids=ids,
-            mask_token_id=mask_token_id,
-            layer_types=[
-                "sliding_attention" if i in sliding else "full_attention" for i in range(num_layers)
-            ],
-            sliding_window=sliding_window if sliding else None,
-        )
-
-
-def text_config(hf_config: Any) -> Any:
-    """The language-model part of an HF config (multimodal configs nest it)."""
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-
-
-def choose_mask_token_id(hf_config: Any, tokenizer: Any) -> tuple[int, str]:
-    """An id for the drafter's MASK token that exists in the target's embedding table.
-
-    Returns (id, reason). Order: the tokenizer's own mask token; the first id past the
-    tokenizer when the table is padded (Qwen3: 151669); otherwise a special token that chat
-    formatting never emits. Never an id outside the table (SPEC trap 6).
-    """
-    text = text_config(hf_config)
-    vocab = int(text.vocab_size)
-    mask_id = getattr(tokenizer, "mask_token_id", None)
-    if mask_id is not None and 0 <= mask_id < vocab:
-        return int(mask_id), f"the tokenizer's mask token {tokenizer.mask_token!r}"
-    if len(tokenizer) < vocab:
-        return len(tokenizer), (
-            f"first unused row of the padded embedding table (tokenizer has {len(tokenizer)} "
-            f"tokens, table {vocab})"
-        )
-    in_use = {
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        tokenizer.unk_token_id,
+def option(
+    default: Any = _MISSING,
+    *,
+    help: str,
+    factory: Callable[[], Any] | None = None,
+    choices: tuple[Any, ...] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    flag: str | None = None,
+    positional: bool = False,
+    metavar: str | None = None,
+    cli: bool = True,
+    tags: tuple[str, ...] = (),
+) -> Any:
+    """A config field: its default (or `factory`), its help, what values are allowed
+    (`choices`, or bounds `ge` / `gt` / `le` / `lt`), how it is spelled on the command line
+    (`flag`, default `--name-with-dashes`; `positional`; `cli=False` keeps it off the command
+    line) and the `tags` under which `settings` records it."""
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "bounds": {
+            k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None
+        },
+        "flag": flag,
+        "positional": positional,
+        "metavar": metavar,
+        "cli": cli,
+        "tags": tags,
     }
-    template = getattr(tokenizer, "chat_template", None) or ""
-    candidates = [
-        (tid, tok)
-        for tok, tid in sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -kv[1])
-        if tid < vocab and tid not in in_use and tok not in template
-    ]
-    if not candidates:
-        raise ValueError(
-            "the tokenizer fills the whole embedding table and has no spare special token; "
-            "set mask_token_id explicitly to a token the target never produces"
-        )
-    tid, tok = candidates[0]
-    return int(tid), f"reserved special token {tok!r} (the vocabulary fills the table)"
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-# ---- the run config of `flashdraft train` (TOML file + dotted --set overrides) ----
+# ---- types ------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True, slots=True)
-class TargetSection:
-    path: str  # a local HF model directory
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    # None: flex_attention on CUDA (packed rows at flash speed), sdpa on CPU.
-    attn_implementation: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"target.dtype {self.dtype!r}: use auto, bfloat16, float16 or float32")
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
-@dataclass(kw_only=True, slots=True)
-class DataSection:
-    datasets: list[str]  # directories written by `flashdraft prepare` (any fsspec URL)
-    row_tokens: int = 8192  # token budget of one packed row
-    # Documents longer than a row: "split" into row-sized pieces (positions continue),
-    # "truncate" to the first row_tokens, or "drop". Counted either way.
-    overlong: str = "split"
-    shuffle: bool = True
-    prefetch: int = 4  # rows built ahead by the loader thread
-
-    def __post_init__(self) -> None:
-        if not self.datasets:
-            raise ValueError("data.datasets is empty: name at least one prepared dataset")
-        if self.overlong not in ("split", "truncate", "drop"):
-            raise ValueError(f"data.overlong {self.overlong!r}: use split, truncate or drop")
-        if self.row_tokens < 16:
-            raise ValueError(f"data.row_tokens {self.row_tokens} is too small")
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-@dataclass(kw_only=True, slots=True)
-class DrafterSection:
-    num_layers: int = 5
-    block_size: int = 16
-    target_layer_ids: list[int] | None = None  # None: the SPEC default rule
-    mask_token_id: int | None = None  # None: chosen from the tokenizer (choose_mask_token_id)
-    sliding_window: int | None = None
-    sliding_layers: list[int] = field(default_factory=list)
-    intermediate_size: int | None = None  # None: the target's
-    init_from: str | None = None  # warm start from a serving-format drafter (e.g. z-lab's)
-    init_seed: int | None = None  # None: the run seed
+def _optional(tp: Any) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
 
 
-@dataclass(kw_only=True, slots=True)
-class LossSection:
-    anchors: int = 512  # A, anchors per packed row
-    gamma: float | None = None  # None: 7 for B = 16 (DFlash paper), scaled by B / 16
-    labels: str = "target"  # "target": the target's argmax (distillation); "data": data tokens
-    chunk_rows: int = 2048  # rows per LM-head chunk
-
-    def __post_init__(self) -> None:
-        if self.labels not in ("target", "data"):
-            raise ValueError(f"loss.labels {self.labels!r}: use target or data")
-        if self.anchors < 1:
-            raise ValueError("loss.anchors must be >= 1")
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimSection:
-    lr: float = 6e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    decay_ratio: float = 0.2  # wsd: share of steps spent decaying
-    grad_clip: float = 1.0
-    grad_accum: int = 1  # packed rows per rank per optimizer step
-    epochs: int = 1
-    max_steps: int | None = None  # stop early (None: all epochs)
-
-    def __post_init__(self) -> None:
-        if self.schedule not in ("cosine", "wsd", "constant"):
-            raise ValueError(f"optim.schedule {self.schedule!r}: use cosine, wsd or constant")
-        if self.grad_accum < 1 or self.epochs < 1:
-            raise ValueError("optim.grad_accum and optim.epochs must be >= 1")
+def _describe(tp: Any) -> str:
+    inner, nullable = _optional(tp)
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        text = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
+    elif origin is list:
+        (item,) = typing.get_args(inner) or (Any,)
+        text = f"a list of {_describe(item)}s"
+    elif origin is dict or inner is dict:
+        text = "a table (JSON object)"
+    elif inner is bool:
+        text = "true or false"
+    elif inner is int:
+        text = "an integer"
+    elif inner is float:
+        text = "a number"
+    elif inner is str:
+        text = "a string"
+    elif inner is Any:
+        text = "any value"
+    else:
+        text = getattr(inner, "__name__", str(inner))
+    return text + (" (or none)" if nullable else "")
 
 
-@dataclass(kw_only=True, slots=True)
-class CheckpointSection:
-    every: int = 500  # steps between resumable checkpoints (0: only at the end)
-    keep: int = 3  # complete checkpoints kept (older ones are deleted)
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value converted where lossless: an int where a float is wanted)."""
+    inner, nullable = _optional(tp)
+    if value is None:
+        return nullable or inner is Any, None
+    origin = typing.get_origin(inner)
+    if inner is Any:
+        return True, value
+    if origin is Literal:
+        return value in typing.get_args(inner), value
+    if inner is bool:
+        return isinstance(value, bool), value
+    if inner is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if inner is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if inner is str:
+        return isinstance(value, str), value
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            return False, value
+        (item,) = typing.get_args(inner) or (Any,)
+        out = []
+        for element in value:
+            ok, element = _coerce(element, item)
+            if not ok:
+                return False, value
+            out.append(element)
+        return True, out
+    if origin is dict or inner is dict:
+        return isinstance(value, dict), value
+    if _is_config(inner):
+        return isinstance(value, inner), value
+    return True, value
 
 
-@dataclass(kw_only=True, slots=True)
-class LogSection:
-    every: int = 10
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "flashdraft"
-    progress: bool = True
+def _bounds_text(bounds: dict[str, float]) -> str:
+    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    return " and ".join(f"{words[k]} {v:g}" for k, v in bounds.items())
 
 
-@dataclass(kw_only=True, slots=True)
-class EvalSection:
-    every: int = 0  # steps between in-training evals with the real decode loop (0: off)
-    prompts: str | None = None  # held-out prompts (JSONL: messages or prompt)
-    num_prompts: int = 8
-    max_new_tokens: int = 128
+def _check_bounds(value: Any, bounds: dict[str, float]) -> bool:
+    items = value if isinstance(value, list) else [value]
+    for x in items:
+        if isinstance(x, float) and math.isnan(x):
+            return False
+        if not all(
+            (k == "ge" and x >= b)
+            or (k == "gt" and x > b)
+            or (k == "le" and x <= b)
+            or (k == "lt" and x < b)
+            for k, b in bounds.items()
+        ):
+            return False
+    return True
 
 
-@dataclass(kw_only=True, slots=True)
-class ParallelSection:
-    placement: str = "colocated"  # colocated | split
-    target_ranks: int = 0  # split: how many ranks run only the target
-    drafter_sharding: str = "ddp"  # ddp | fsdp
-    shard_target: bool = False  # colocated: shard the target across ranks with FSDP2
-    overlap: bool = True  # build the next rows ahead of the current step
-    queue_depth: int = 2  # split: batches in flight between target and drafter ranks
-
-    def __post_init__(self) -> None:
-        if self.placement not in ("colocated", "split"):
-            raise ValueError(f"parallel.placement {self.placement!r}: use colocated or split")
-        if self.drafter_sharding not in ("ddp", "fsdp"):
-            raise ValueError(f"parallel.drafter_sharding {self.drafter_sharding!r}: ddp or fsdp")
-
-
-@dataclass(kw_only=True, slots=True)
-class RunConfig:
-    output: str  # run directory (any fsspec URL)
-    target: TargetSection
-    data: DataSection
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    compile: bool = True  # compile the drafter layers (CUDA only)
-    preflight: bool = True  # refuse runs whose memory estimate exceeds the free GPU memory
-    drafter: DrafterSection = field(default_factory=DrafterSection)
-    loss: LossSection = field(default_factory=LossSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    log: LogSection = field(default_factory=LogSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+def validate(config: Any) -> None:
+    """Check every field of `config` against its annotation, choices and bounds (and convert
+    ints given for floats). Call from `__post_init__`; raises ConfigError for the first bad
+    field. Nested configs validated themselves when they were built."""
+    cls: type = type(config)
+    hints = _hints(cls)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        tp = hints[f.name]
+        ok, converted = _coerce(value, tp)
+        if not ok:
+            raise ConfigError(f.name, value, f"expected {_describe(tp)}")
+        if converted is not value:
+            object.__setattr__(config, f.name, converted)
+        if converted is None:
+            continue
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            items = converted if isinstance(converted, list) else [converted]
+            if any(x not in choices for x in items):
+                raise ConfigError(f.name, value, "one of " + ", ".join(map(repr, choices)))
+        bounds = f.metadata.get("bounds")
+        numeric = isinstance(converted, int | float | list) and not isinstance(converted, bool)
+        if bounds and numeric and not _check_bounds(converted, bounds):
+            raise ConfigError(f.name, value, f"must be {_bounds_text(bounds)}")
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Nested dataclass from a dict, with errors naming the bad key and the valid ones."""
+# ---- files and overrides ---------------------------------------------------------------
+
+
+def build(cls: type, data: Any, where: str = "") -> Any:
+    """A (nested) config from a dict, with errors naming the bad key: unknown keys with the
+    valid ones, wrong values with what is allowed, missing required keys."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'} must be a table, got {type(data).__name__}")
+        raise ConfigError(where.rstrip(".") or "config", data, "expected a table")
+    hints = _hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -378,37 +234,27 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             f"unknown config key(s) {', '.join(f'{where}{k}' for k in unknown)}; "
             f"valid keys{' under ' + where.rstrip('.') if where else ''}: {', '.join(sorted(known))}"
         )
+    missing = [
+        n
+        for n, f in known.items()
+        if n not in data and f.default is _MISSING and f.default_factory is _MISSING
+    ]
+    if missing:
+        raise ValueError(
+            f"missing config key(s) {', '.join(where + n for n in missing)} (required)"
+        )
     kwargs = {}
     for name, value in data.items():
-        field_type = known[name].type
-        section = _SECTIONS.get(field_type if isinstance(field_type, str) else field_type.__name__)
-        kwargs[name] = _build(section, value, f"{where}{name}.") if section else value
+        inner, _ = _optional(hints[name])
+        kwargs[name] = build(inner, value, f"{where}{name}.") if _is_config(inner) else value
     try:
         return cls(**kwargs)
-    except TypeError as err:  # a missing required key
-        raise ValueError(f"{where.rstrip('.') or 'config'}: {err}") from None
-
-
-_SECTIONS: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        TargetSection,
-        DataSection,
-        DrafterSection,
-        LossSection,
-        OptimSection,
-        CheckpointSection,
-        LogSection,
-        EvalSection,
-        ParallelSection,
-    )
-}
+    except ConfigError as err:
+        raise err.within(where) from None
 
 
 def _parse_value(text: str) -> Any:
     """A --set value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
-    import tomllib
-
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -417,12 +263,10 @@ def _parse_value(text: str) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`a.b=c` overrides onto a nested dict (a new dict; the input is not modified)."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ValueError(f"--set {item!r}: expected dotted.key=value")
         node = out
         *parents, leaf = key.strip().split(".")
@@ -434,20 +278,151 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
-    """A RunConfig from a TOML (or JSON) file plus dotted overrides."""
-    import json
-    import tomllib
-
+def load_file(url: str | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A TOML (or .json) file as a dict, plus dotted overrides; errors name the file."""
     from flashdraft import storage
 
     data: dict[str, Any] = {}
-    if path is not None:
-        text = storage.read_text(path)
+    if url is not None:
+        text = storage.read_text(url)
         try:
-            data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+            data = json.loads(text) if url.endswith(".json") else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: {err}") from None
-    data = apply_overrides(data, overrides or [])
-    config: RunConfig = _build(RunConfig, data, "")
-    return config
+            raise ValueError(f"{url}: {err}") from None
+    return apply_overrides(data, overrides or [])
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    result: dict[str, Any] = dataclasses.asdict(config)
+    return result
+
+
+def settings(config: Any, tag: str) -> dict[str, Any]:
+    """The fields of `config` tagged `tag`, nested configs flattened into the same dict (the
+    settings a command records in its outputs and compares on resume)."""
+    out: dict[str, Any] = {}
+    for f, value in _leaves(config):
+        if tag in f.metadata.get("tags", ()):
+            out[f.name] = copy.deepcopy(value)
+    return out
+
+
+def _leaves(config: Any) -> Iterator[tuple[dataclasses.Field[Any], Any]]:
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            yield from _leaves(value)
+        else:
+            yield f, value
+
+
+# ---- the command line -------------------------------------------------------------------
+
+
+def _flat_fields(cls: type) -> Iterator[tuple[tuple[str, ...], dataclasses.Field[Any], Any]]:
+    """(path of nested field names, field, type) of every leaf field, nested configs
+    flattened (their field names must not clash with the parent's)."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        inner, _ = _optional(hints[f.name])
+        if _is_config(inner):
+            for path, leaf, tp in _flat_fields(inner):
+                yield (f.name, *path), leaf, tp
+        else:
+            yield (f.name,), f, hints[f.name]
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not _MISSING:
+        return f.default
+    factory: Any = f.default_factory
+    return _MISSING if factory is _MISSING else factory()
+
+
+def _scalar_parser(tp: Any) -> Callable[[str], Any] | None:
+    inner, _ = _optional(tp)
+    if typing.get_origin(inner) is Literal:
+        args = typing.get_args(inner)
+        return type(args[0]) if args else str
+    if inner in (int, float, str):
+        return typing.cast(Callable[[str], Any], inner)
+    if typing.get_origin(inner) is dict or inner is dict:
+        return json.loads
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One command-line argument per leaf field of `cls` (dest = the field's name)."""
+    for _, f, tp in _flat_fields(cls):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        default = _default(f)
+        inner, _ = _optional(tp)
+        choices = meta.get("choices")
+        if choices is None and typing.get_origin(inner) is Literal:
+            choices = typing.get_args(inner)
+        help_ = meta.get("help", "")
+        kwargs: dict[str, Any] = {"help": help_, "dest": f.name}
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        if inner is bool:
+            flag = meta.get("flag") or ("--no-" if default is True else "--") + f.name.replace(
+                "_", "-"
+            )
+            action = "store_false" if default is True else "store_true"
+            parser.add_argument(flag, action=action, default=default, **kwargs)
+            continue
+        if typing.get_origin(inner) is list:
+            (item,) = typing.get_args(inner) or (str,)
+            kwargs["nargs"] = "+"
+            kwargs["type"] = _scalar_parser(item) or str
+        else:
+            kwargs["type"] = _scalar_parser(tp) or str
+        if choices is not None:
+            kwargs["choices"] = choices
+        if meta.get("positional"):
+            kwargs.pop("dest")
+            if default is not _MISSING:
+                kwargs["nargs"] = "?" if "nargs" not in kwargs else "*"
+                kwargs["default"] = default
+            parser.add_argument(f.name, **kwargs)
+            continue
+        if default is _MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
+            if default not in (None, [], {}):
+                kwargs["help"] = f"{help_} (default %(default)s)"
+        parser.add_argument(flag_name(f), **kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
+    """The config of `cls` from parsed arguments (`add_arguments(parser, cls)`); `fixed`
+    fills fields kept off the command line. Errors name the flag, not the field."""
+    flags = {f.name: flag_name(f) for _, f, _ in _flat_fields(cls)}
+    try:
+        return _from_namespace(cls, vars(args), fixed)
+    except ConfigError as err:
+        leaf = err.key.rsplit(".", 1)[-1]
+        raise ValueError(
+            f"{flags.get(leaf, err.key)} {err.value!r} is not allowed: {err.allowed}"
+        ) from None
+
+
+def _from_namespace(cls: type, values: dict[str, Any], fixed: dict[str, Any]) -> Any:
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        inner, _ = _optional(hints[f.name])
+        if _is_config(inner):
+            kwargs[f.name] = _from_namespace(inner, values, fixed)
+        elif f.name in fixed:
+            kwargs[f.name] = fixed[f.name]
+        elif f.name in values:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs)

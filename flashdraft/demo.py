@@ -257,9 +257,9 @@ def _save_untrained(target: str, size: dict[str, Any], path: Path) -> None:
     """The drafter the trainer starts from (same seed), as a serving export."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from flashdraft.config import DrafterConfig, choose_mask_token_id
-    from flashdraft.drafter import init_seeded
     from flashdraft.export import save_dflash
+    from flashdraft.model.config import DrafterConfig, choose_mask_token_id
+    from flashdraft.model.drafter import init_seeded
 
     config = AutoConfig.from_pretrained(target)
     mask_id, _ = choose_mask_token_id(config, AutoTokenizer.from_pretrained(target))

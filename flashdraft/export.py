@@ -17,15 +17,14 @@ Loading accepts both, including drafters published by z-lab, for warm starts and
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from flashdraft import storage
-from flashdraft.config import DrafterConfig, default_target_layer_ids
-from flashdraft.drafter import DFlashDrafter, DraftCache
+from flashdraft.model.config import DrafterConfig, default_target_layer_ids
+from flashdraft.model.drafter import DFlashDrafter, DraftCache
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
@@ -413,40 +412,3 @@ def verify_export(drafter: DFlashDrafter, url: str, seed: int = 0) -> None:
         outputs.append(model.draft_block(cache, embeds.to(torch.bfloat16), ctx_len))
     if not torch.equal(outputs[0], outputs[1]):
         raise ValueError("export check failed: reloaded drafter gives different outputs")
-
-
-# ---- CLI ----
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint", help="training checkpoint, run directory (latest checkpoint) or export"
-    )
-    parser.add_argument("--output", required=True, help="directory to write (local or fsspec URL)")
-    parser.add_argument("--format", default="dflash", choices=FORMATS)
-    parser.add_argument(
-        "--verifier",
-        default=None,
-        help="the target's HF id or path, written into the speculators config (required there: "
-        "vLLM serves the verifier it names)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from flashdraft.checkpoint import load_drafter
-
-    if args.format == "speculators" and not args.verifier:
-        raise ValueError("--format speculators needs --verifier (the target's HF id or path)")
-    drafter = load_drafter(args.checkpoint)
-    if args.format == "dflash":
-        save_dflash(drafter, args.output)
-    else:
-        save_speculators(drafter, args.output, args.verifier)
-    verify_export(drafter, args.output)
-    config = drafter.config
-    print(
-        f"wrote {args.format} drafter to {args.output}: {config.num_hidden_layers} layers, "
-        f"B={config.block_size}, taps {config.target_layer_ids} (z-lab ids), "
-        f"mask token {config.mask_token_id}; reload check passed (identical weights and outputs)"
-    )
-    return 0

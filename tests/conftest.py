@@ -13,6 +13,14 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    """Back to one thread before every test: a command run in-process (the demo uses every
+    core) must not change the arithmetic of the tests after it (tests/train/test_golden.py
+    pins bit-exact weights, and thread count changes reduction order)."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain HF directory (converted from the GGUF once)."""

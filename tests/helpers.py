@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flashdraft.config import DrafterConfig
-from flashdraft.drafter import DFlashDrafter
-from flashdraft.head import TargetHead
+from flashdraft.model.config import DrafterConfig
+from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.head import TargetHead
 
 
 def tiny_config(**overrides: object) -> DrafterConfig:

@@ -6,8 +6,6 @@ from helpers import tiny_config, tiny_drafter
 from safetensors.torch import load_file, save_file
 
 from flashdraft import cli
-from flashdraft.checkpoint import save_drafter, step_dir
-from flashdraft.drafter import DraftCache
 from flashdraft.export import (
     check_speculators_config,
     export_format,
@@ -21,6 +19,8 @@ from flashdraft.export import (
     to_speculators_config,
     verify_export,
 )
+from flashdraft.model.drafter import DraftCache
+from flashdraft.train.checkpoint import save_drafter, step_dir
 
 # Fields an engine reads from a DFlash config.json (SPEC section 6, trap 9).
 REQUIRED_FIELDS = {

@@ -1,0 +1,387 @@
+"""Audit a prepared dataset: statistics, and the checks that refuse degenerate data.
+
+A drafter is only as good as its trained tokens, and broken data trains without error.
+The checks (SPEC trap 8), each with a threshold option:
+
+* all-ones loss masks: the chat template marked no assistant turn, so prompts are trained;
+* empty responses: samples whose trained text is nothing but end-of-turn tokens,
+  whitespace or punctuation;
+* repeated responses: the share of samples whose trained text repeats another sample's,
+  compared exactly and ignoring case, whitespace and punctuation ("OK." = "ok"). A dataset
+  once had 87% of samples train only `<think>\\n\\n</think>\\n\\nOK.`: refused here;
+* tiny responses: the median number of trained tokens per sample;
+* heavy truncation at `--max-length` (from the manifest's counts).
+
+`flashdraft prepare` runs the same checks on what it wrote and fails unless
+`--allow-degenerate`; `flashdraft audit` exits 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import itertools
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from flashdraft.data.dataset import PreparedDataset
+
+
+@dataclass(kw_only=True, slots=True)
+class Thresholds:
+    max_repeated_share: float = 0.10
+    min_median_loss_tokens: float = 8.0
+    max_empty_share: float = 0.01
+    max_all_ones_share: float = 0.0
+    max_truncated_share: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_repeated_share",
+            "max_empty_share",
+            "max_all_ones_share",
+            "max_truncated_share",
+        ):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} is a share in [0, 1], got {value}")
+        if self.min_median_loss_tokens < 0:
+            raise ValueError("--min-median-loss-tokens must be >= 0")
+
+
+def add_threshold_arguments(parser: argparse.ArgumentParser) -> None:
+    """The check thresholds, shared by `prepare` and `audit`."""
+    defaults = Thresholds()
+    group = parser.add_argument_group("degenerate-data checks")
+    group.add_argument(
+        "--max-repeated-share",
+        type=float,
+        default=defaults.max_repeated_share,
+        help="largest share of samples whose trained text repeats another's, ignoring case, "
+        "whitespace and punctuation (default %(default)s)",
+    )
+    group.add_argument(
+        "--min-median-loss-tokens",
+        type=float,
+        default=defaults.min_median_loss_tokens,
+        help="smallest median number of trained tokens per sample (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-empty-share",
+        type=float,
+        default=defaults.max_empty_share,
+        help="largest share of samples with an empty trained response (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-all-ones-share",
+        type=float,
+        default=defaults.max_all_ones_share,
+        help="largest share of samples whose every token is trained (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-truncated-share",
+        type=float,
+        default=defaults.max_truncated_share,
+        help="largest share of samples truncated at --max-length (default %(default)s)",
+    )
+
+
+def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
+    """The `add_threshold_arguments` options (one per Thresholds field, same names)."""
+    return Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class Repeat:
+    count: int
+    loss_tokens: int
+    text: str  # the trained text of one of them (or its token ids without a tokenizer)
+    example: int  # a sample index
+
+
+@dataclass(kw_only=True, slots=True)
+class Audit:
+    samples: int
+    tokens: int
+    loss_tokens: int
+    truncated: int | None
+    all_ones: int
+    empty: int
+    identical: int  # samples whose trained tokens equal an earlier sample's
+    repeated: int  # the same, ignoring case, whitespace and punctuation
+    repeated_by: str  # how `repeated` was compared
+    median_tokens: float
+    median_loss_tokens: float
+    top_repeats: list[Repeat]
+    length_histogram: list[tuple[int, int, int]]  # [lo, hi) and count
+    loss_histogram: list[tuple[int, int, int]]
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _key(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@functools.lru_cache(maxsize=4)
+def normalized_keys(tokenizer: Any) -> np.ndarray:
+    """Token id -> a key of its text lowercased and stripped to letters and digits.
+
+    0 marks tokens with no such text (whitespace, punctuation, special tokens), which the
+    near-duplicate comparison skips. A token that is part of a multi-byte character keeps
+    a key of its own id, so non-Latin text is never mistaken for empty.
+    """
+    size = len(tokenizer)
+    pieces = tokenizer.backend_tokenizer.decode_batch(
+        [[i] for i in range(size)], skip_special_tokens=False
+    )
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    keys = np.zeros(size, dtype=np.uint64)
+    for i, piece in enumerate(pieces):
+        if i in special:
+            continue
+        if "\ufffd" in piece:
+            keys[i] = _key(b"id:%d" % i)
+            continue
+        text = "".join(ch for ch in piece.lower() if ch.isalnum())
+        if text:
+            keys[i] = _key(text.encode())
+    return keys
+
+
+def _histogram(values: np.ndarray) -> list[tuple[int, int, int]]:
+    """Counts in power-of-two bins [0, 1), [1, 2), [2, 4), ... up to the largest value."""
+    top = int(values.max()) if len(values) else 0
+    edges = [0, 1]
+    while edges[-1] <= top:
+        edges.append(edges[-1] * 2)
+    counts, _ = np.histogram(values, bins=np.array(edges))
+    return [(edges[i], edges[i + 1], int(c)) for i, c in enumerate(counts)]
+
+
+def audit_dataset(dataset: PreparedDataset, tokenizer: Any | None, thresholds: Thresholds) -> Audit:
+    """Statistics of every sample, then the checks; `problems` lists the failed ones."""
+    keys = normalized_keys(tokenizer) if tokenizer is not None else None
+    exact: set[int] = set()
+    groups: dict[int, list[int]] = {}  # normalized key -> [count, first sample]
+    empty = identical = 0
+    index = 0
+    for ids, mask, offsets in dataset.batches():
+        trained = ids[mask.astype(bool)]
+        # cuts[j] = number of trained tokens before sample j: its trained tokens' start
+        cuts = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[offsets]
+        for j in range(len(offsets) - 1):
+            tokens = trained[int(cuts[j]) : int(cuts[j + 1])]
+            key = _key(tokens.tobytes())
+            identical += key in exact
+            exact.add(key)
+            if keys is not None:
+                normal = keys[tokens]
+                normal = normal[normal != 0]
+                empty += len(normal) == 0
+                key = _key(normal.tobytes())
+            else:
+                empty += len(tokens) == 0
+            group = groups.setdefault(key, [0, index])
+            group[0] += 1
+            index += 1
+    repeats = sorted(((c, i) for c, i in groups.values() if c > 1), reverse=True)[:5]
+    counts = dataset.manifest.get("counts", {})
+    truncated = counts.get("truncated")
+    result = Audit(
+        samples=len(dataset),
+        tokens=int(dataset.num_tokens.sum()),
+        loss_tokens=int(dataset.num_loss_tokens.sum()),
+        truncated=None if truncated is None else int(truncated),
+        all_ones=int(np.sum(dataset.num_loss_tokens == dataset.num_tokens)),
+        empty=int(empty),
+        identical=int(identical),
+        repeated=len(dataset) - len(groups),
+        repeated_by="text ignoring case, whitespace and punctuation"
+        if keys is not None
+        else "token ids (tokenizer unavailable)",
+        median_tokens=float(np.median(dataset.num_tokens)) if len(dataset) else 0.0,
+        median_loss_tokens=float(np.median(dataset.num_loss_tokens)) if len(dataset) else 0.0,
+        top_repeats=[
+            Repeat(
+                count=c,
+                loss_tokens=int(dataset.num_loss_tokens[i]),
+                text=_trained_text(dataset, i, tokenizer),
+                example=i,
+            )
+            for c, i in repeats
+        ],
+        length_histogram=_histogram(dataset.num_tokens),
+        loss_histogram=_histogram(dataset.num_loss_tokens),
+    )
+    result.problems = find_problems(result, thresholds)
+    return result
+
+
+def _trained_text(dataset: PreparedDataset, index: int, tokenizer: Any | None) -> str:
+    ids, mask = dataset.sample(index)
+    trained = ids[mask.astype(bool)]
+    if tokenizer is None:
+        return " ".join(map(str, trained[:64].tolist()))
+    return str(tokenizer.decode(trained.tolist(), skip_special_tokens=False))
+
+
+def _share(count: int, total: int) -> str:
+    return f"{count:,} of {total:,} samples ({count / max(total, 1):.1%})"
+
+
+def find_problems(audit: Audit, thresholds: Thresholds) -> list[str]:
+    """Each failed check as a plain explanation: what, how much, and what to do."""
+    n = audit.samples
+    if n == 0:
+        return ["the dataset has no samples: every record was rejected (see rejects.jsonl)"]
+    problems = []
+    if audit.all_ones / n > thresholds.max_all_ones_share:
+        problems.append(
+            f"{_share(audit.all_ones, n)} train on every token (all-ones loss mask): the chat "
+            "template marked no assistant turn, so the drafter would learn to predict prompts. "
+            "Prepare again with a chat model's tokenizer."
+        )
+    if audit.empty / n > thresholds.max_empty_share:
+        problems.append(
+            f"{_share(audit.empty, n)} have an empty response: their trained tokens are only "
+            "end-of-turn tokens, whitespace or punctuation. Filter or regenerate those responses "
+            f"(threshold --max-empty-share {thresholds.max_empty_share})."
+        )
+    if audit.repeated / n > thresholds.max_repeated_share:
+        common = "; ".join(
+            f"{r.count:,} x {_clip(r.text)} ({r.loss_tokens} trained tokens)"
+            for r in audit.top_repeats[:3]
+        )
+        problems.append(
+            f"{_share(audit.repeated, n)} train on a response that another sample also "
+            f"trains on (compared by {audit.repeated_by}). Most common: {common}. A drafter "
+            "trained on this learns boilerplate; deduplicate, filter or regenerate the "
+            "responses, or raise --max-repeated-share if the repetition is intended "
+            f"(threshold {thresholds.max_repeated_share})."
+        )
+    if audit.median_loss_tokens < thresholds.min_median_loss_tokens:
+        problems.append(
+            f"the median sample trains on only {audit.median_loss_tokens:g} tokens (threshold "
+            f"--min-median-loss-tokens {thresholds.min_median_loss_tokens:g}): the responses "
+            "are too short to teach multi-token drafting. Use longer responses (e.g. "
+            "regenerate them with the target) or lower the threshold."
+        )
+    if audit.truncated is not None and audit.truncated / n > thresholds.max_truncated_share:
+        problems.append(
+            f"{_share(audit.truncated, n)} were truncated at --max-length (threshold "
+            f"--max-truncated-share {thresholds.max_truncated_share}): raise --max-length or "
+            "use --overlong drop."
+        )
+    return problems
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _bars(histogram: list[tuple[int, int, int]], total: int) -> list[str]:
+    top = max((c for _, _, c in histogram), default=0) or 1
+    lines = []
+    for lo, hi, count in histogram:
+        if count == 0 and lo > 0:
+            continue
+        bar = "#" * max(int(40 * count / top), 1 if count else 0)
+        lines.append(
+            f"  [{lo:>7,}, {hi:>7,})  {bar:<40}  {count:>9,}  {count / max(total, 1):6.1%}"
+        )
+    return lines
+
+
+def format_report(audit: Audit) -> str:
+    n = max(audit.samples, 1)
+    lines = [
+        f"samples          {audit.samples:,}",
+        f"tokens           {audit.tokens:,}  (median {audit.median_tokens:g} per sample)",
+        f"trained tokens   {audit.loss_tokens:,}  ({audit.loss_tokens / max(audit.tokens, 1):.1%}"
+        f" of tokens; median {audit.median_loss_tokens:g} per sample)",
+        f"all-ones masks   {audit.all_ones:,}  ({audit.all_ones / n:.1%})",
+        f"empty responses  {audit.empty:,}  ({audit.empty / n:.1%})",
+        f"identical        {audit.identical:,}  ({audit.identical / n:.1%}) repeat an earlier "
+        "sample's trained tokens",
+        f"near-identical   {audit.repeated:,}  ({audit.repeated / n:.1%}) by {audit.repeated_by}",
+    ]
+    if audit.truncated is not None:
+        lines.append(f"truncated        {audit.truncated:,}  ({audit.truncated / n:.1%})")
+    if audit.top_repeats:
+        lines.append("most repeated responses:")
+        lines += [f"  {r.count:>9,} x {_clip(r.text)}" for r in audit.top_repeats]
+    lines.append("tokens per sample:")
+    lines += _bars(audit.length_histogram, audit.samples)
+    lines.append("trained tokens per sample:")
+    lines += _bars(audit.loss_histogram, audit.samples)
+    if audit.problems:
+        lines.append(f"DEGENERATE DATA ({len(audit.problems)} check(s) failed):")
+        lines += [f"  - {p}" for p in audit.problems]
+    else:
+        lines.append("all checks passed")
+    return "\n".join(lines)
+
+
+# -- preview ---------------------------------------------------------------------------------
+
+_GREEN, _RESET = "\x1b[1;32m", "\x1b[0m"
+
+
+def preview_segments(
+    dataset: PreparedDataset, index: int, tokenizer: Any, max_tokens: int = 1024
+) -> tuple[int, list[tuple[str, bool]]]:
+    """(tokens left out at the start, [(text, trained), ...]) of one sample's last tokens."""
+    ids, mask = dataset.sample(index)
+    skipped = max(len(ids) - max_tokens, 0)
+    ids, mask = ids[skipped:], mask[skipped:]
+    cuts = [0, *(np.flatnonzero(np.diff(mask)) + 1).tolist(), len(ids)]
+    segments = [
+        (
+            str(tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)),
+            bool(mask[a]),
+        )
+        for a, b in itertools.pairwise(cuts)
+        if b > a
+    ]
+    return skipped, segments
+
+
+def preview_indices(dataset: PreparedDataset, count: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    count = min(count, len(dataset))
+    return sorted(rng.choice(len(dataset), size=count, replace=False).tolist())
+
+
+def format_preview(
+    dataset: PreparedDataset, indices: list[int], tokenizer: Any, *, color: bool
+) -> str:
+    if color:
+        legend = f"trained tokens in {_GREEN}green{_RESET}"
+        start, stop = _GREEN, _RESET
+    else:
+        legend = "trained tokens between [[ and ]]"
+        start, stop = "[[", "]]"
+    out = [f"preview of {len(indices)} sample(s); {legend}"]
+    for index in indices:
+        skipped, segments = preview_segments(dataset, index, tokenizer)
+        out.append(
+            f"--- sample {index}  {dataset.source(index)}  {int(dataset.num_tokens[index]):,} "
+            f"tokens, {int(dataset.num_loss_tokens[index]):,} trained ---"
+        )
+        text = "".join(start + t + stop if trained else t for t, trained in segments)
+        out.append((f"... ({skipped:,} earlier tokens not shown)\n" if skipped else "") + text)
+    return "\n".join(out)

@@ -1,0 +1,286 @@
+"""Batched generation with the target: prompt token ids in, generated token ids out.
+
+Two backends behind one small interface, so `generate` writes identical records with either:
+
+* `HFBackend`: transformers `generate` on left-padded batches with its KV cache, on any device.
+  The reference: its greedy output equals `model.generate` on each prompt alone.
+* `VLLMBackend`: vLLM offline inference (continuous batching, the fast path on GPUs).
+  UNTESTED: vllm cannot be installed where this repository's tests run.
+
+Both stop on the same ids: the target's generation_config eos ids (the real end of turn; a
+tokenizer's `eos_token` can be wrong, e.g. SmolLM2's names `<|im_start|>` in some versions)
+plus any extra ids the user gives.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(kw_only=True, slots=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(slots=True)
+class Generated:
+    token_ids: list[int]  # the answer, end-of-turn token excluded
+    finish_reason: str  # "stop": a stop token was emitted; "length": max_new_tokens reached
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens the target produced: the answer and its stop token."""
+        return len(self.token_ids) + (self.finish_reason == "stop")
+
+
+def finish(tokens: Iterable[int], stop_ids: set[int], stopped: bool = False) -> Generated:
+    """Cut generated tokens at the first stop token (what follows it is padding).
+
+    `stopped`: the engine reports a stop although no stop id is among `tokens` (an engine
+    that leaves the stop token out of its output).
+    """
+    answer: list[int] = []
+    for token in tokens:
+        if token in stop_ids:
+            return Generated(answer, "stop")
+        answer.append(token)
+    return Generated(answer, "stop" if stopped else "length")
+
+
+class Backend(Protocol):
+    name: str
+    stop_ids: list[int]
+    max_positions: int | None  # prompt + max_new_tokens must fit (None: no known limit)
+    schedules_batches: bool  # True: give it many prompts at once, it batches them itself
+
+    def generate(
+        self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]
+    ) -> list[Generated]:
+        """One result per prompt, in order; `on_tokens(n)` reports progress as it goes."""
+        ...
+
+
+def stop_token_ids(target: str, extra: Iterable[int] = ()) -> list[int]:
+    """The target's generation_config eos ids (else its tokenizer's eos), then `extra`."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(target).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = AutoTokenizer.from_pretrained(target).eos_token_id
+    if eos is None:
+        raise ValueError(f"{target} names no eos token; pass --stop-token-ids")
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return ids + [t for t in extra if t not in ids]
+
+
+def resolve_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+class HFBackend:
+    name = "hf"
+    schedules_batches = False
+
+    def __init__(self, model: Any, sampling: Sampling, stop_ids: list[int], pad_id: int):
+        from transformers import GenerationConfig
+
+        self.model = model
+        self.stop_ids = stop_ids
+        self.pad_id = pad_id
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = limit if isinstance(limit, int) else None
+        sample = not sampling.greedy
+        # Every sampling field is set: generate() fills unset ones from the checkpoint's
+        # generation_config (e.g. Qwen3's top_k=20, or a repetition_penalty), which would
+        # silently differ from the settings written into each record and from vLLM.
+        self.generation_config = GenerationConfig(
+            do_sample=sample,
+            temperature=sampling.temperature if sample else None,
+            top_p=sampling.top_p if sample else None,
+            top_k=sampling.top_k if sample else None,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=pad_id,
+        )
+        model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id)
+
+    @classmethod
+    def load(
+        cls,
+        target: str,
+        sampling: Sampling,
+        stop_ids: list[int],
+        pad_id: int,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+    ) -> HFBackend:
+        from flashdraft.model.target import load_target
+
+        device = resolve_device(device)
+        model = load_target(target, resolve_dtype(dtype, device), None, device)
+        return cls(model, sampling, stop_ids, pad_id)
+
+    def generate(
+        self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]
+    ) -> list[Generated]:
+        import torch
+
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: all rows end at one column
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        # generate() samples with the global RNG: seeding it per batch makes a batch
+        # reproducible whatever ran before it.
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self.generation_config,
+                streamer=_TokenCounter(self.stop_ids, on_tokens),
+            )
+        new_tokens = out[:, width:].tolist()  # host sync, once per batch
+        stop = set(self.stop_ids)
+        return [finish(row, stop) for row in new_tokens]
+
+
+class _TokenCounter:
+    """A generate() streamer that reports each step's new answer tokens (not the padding of
+    rows that have stopped). Duck-typed BaseStreamer: generate() only calls put/end."""
+
+    def __init__(self, stop_ids: list[int], on_tokens: Callable[[int], None]):
+        import torch
+
+        self.stop_ids = torch.tensor(stop_ids)
+        self.on_tokens = on_tokens
+        self.alive: Any = None
+
+    def put(self, value: Any) -> None:
+        import torch
+
+        if self.alive is None:  # generate() streams the prompt first
+            self.alive = torch.ones(value.shape[0], dtype=torch.bool)
+            return
+        self.on_tokens(int(self.alive.sum()))
+        self.alive &= ~torch.isin(value.reshape(-1), self.stop_ids)
+
+    def end(self) -> None:
+        pass
+
+
+class VLLMBackend:
+    """vLLM offline inference. UNTESTED (vllm is not installable in this repository's CI).
+
+    Kept small on purpose: vLLM gets the same prompt token ids, sampling settings and stop
+    ids (`ignore_eos` so that its own idea of eos does not add to them), and its output ids go
+    through the same `finish` as the HF backend's. vLLM samples each request on its own, so
+    request i of a call is seeded with `seed + i`.
+    """
+
+    name = "vllm"
+    schedules_batches = True
+
+    def __init__(
+        self,
+        target: str,
+        sampling: Sampling,
+        stop_ids: list[int],
+        *,
+        dtype: str = "auto",
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        from vllm import LLM, SamplingParams
+
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self._params = SamplingParams
+        self.llm = LLM(model=target, dtype=dtype, **(engine_kwargs or {}))
+        self.max_positions: int | None = int(self.llm.llm_engine.model_config.max_model_len)
+
+    def generate(
+        self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]
+    ) -> list[Generated]:
+        s = self.sampling
+        params = [
+            self._params(
+                temperature=s.temperature,
+                top_p=1.0 if s.greedy else s.top_p,
+                top_k=-1 if s.greedy or s.top_k == 0 else s.top_k,
+                max_tokens=s.max_new_tokens,
+                stop_token_ids=self.stop_ids,
+                ignore_eos=True,
+                seed=(seed + i) % 2**63,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        stop = set(self.stop_ids)
+        results = [
+            finish(o.outputs[0].token_ids, stop, o.outputs[0].finish_reason == "stop")
+            for o in outputs
+        ]
+        on_tokens(sum(r.num_generated for r in results))
+        return results
+
+
+def load_backend(
+    name: str,
+    target: str,
+    sampling: Sampling,
+    stop_ids: list[int],
+    pad_id: int,
+    *,
+    device: str | None = None,
+    dtype: str = "auto",
+    vllm_kwargs: dict[str, Any] | None = None,
+) -> Backend:
+    """`auto` is vLLM when it is installed and a GPU is there, else HF."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if name == "auto":
+        name = "vllm" if has_vllm and resolve_device(device) == "cuda" else "hf"
+    if name == "vllm":
+        if not has_vllm:
+            raise ValueError("--backend vllm, but vllm is not installed (pip install vllm)")
+        return VLLMBackend(target, sampling, stop_ids, dtype=dtype, engine_kwargs=vllm_kwargs)
+    if name != "hf":
+        raise ValueError(f"unknown backend {name!r} (auto, hf, vllm)")
+    return HFBackend.load(target, sampling, stop_ids, pad_id, device=device, dtype=dtype)

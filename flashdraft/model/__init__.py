@@ -1,0 +1,9 @@
+"""Model: single-device module code of the drafter and the frozen target.
+
+Owns the drafter's geometry (`config`), the one DFlash `mask_mod` and its two attention
+backends (`attention`), the draft model with its decode cache (`drafter`), the target's
+frozen embedding and LM head (`head`), and the target itself: loading, layer taps and the
+packed forward (`target`). Distribution, compilation and optimisation are applied from
+outside (`flashdraft.train.parallel`). May import only the base layer (`config`, `storage`,
+`log`).
+"""

@@ -1,0 +1,293 @@
+"""Everything that makes single-device model code run fast and on many devices, applied from
+outside the model in one fixed order: compile, then distribution (STYLE).
+
+Processes are started by `torchrun` (any number of processes and nodes); torch.distributed
+does every collective (NCCL on GPUs, gloo on CPU). Nothing here is a hand-made all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from flashdraft.model.drafter import DFlashDrafter
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
+    if preference == "auto":
+        preference = "cuda" if torch.cuda.is_available() else "cpu"
+    if preference == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device = 'cuda' but no CUDA device is visible; use device = 'cpu'")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if preference != "cpu":
+        raise ValueError(f"device {preference!r}: use auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(preference: str) -> DistInfo:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK), if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(preference, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            timeout=timedelta(minutes=30),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local_rank, device)
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def compile_drafter(drafter: DFlashDrafter) -> DFlashDrafter:
+    """Compile each decoder layer in place (`Module.compile`), so parameter names, state
+    dicts and checkpoints are untouched (no `_orig_mod.` prefixes anywhere)."""
+    for layer in drafter.layers:
+        layer.compile(dynamic=False)
+    drafter.hidden_norm.compile(dynamic=False)
+    return drafter
+
+
+def wrap_drafter(
+    drafter: DFlashDrafter, info: DistInfo, sharding: str, group: Any = None, replicas: int = 1
+) -> nn.Module:
+    """Data parallelism for the drafter over `group` (None: all ranks): DDP (replicas), or
+    FSDP2 (sharded, for large drafters).
+
+    Returns the module to call for the forward; the drafter itself stays the object to read
+    config from and to checkpoint (FSDP2 shards it in place, DDP wraps it).
+    """
+    if replicas <= 1:
+        return drafter
+    if sharding == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None
+        mesh = DeviceMesh.from_group(pg, info.device.type)
+        for layer in drafter.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(drafter, mesh=mesh)
+        return drafter
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(drafter, device_ids=device_ids, process_group=group)
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager[Any]:
+    """Context for one micro-batch's backward: reduce gradients across replicas or not (the
+    last micro-batch of a step reduces, the others only accumulate). DDP wraps (`no_sync`),
+    FSDP2 shards in place (`set_requires_gradient_sync`); a single replica has nothing to do."""
+    if enabled:
+        return nullcontext()
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
+    return nullcontext()
+
+
+@contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+# ---- placement: which rank runs what ----
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The role of this rank and the data-parallel group of drafter replicas.
+
+    colocated: every rank runs the target and a drafter replica (dp rank = rank).
+    split: ranks [0, target_ranks) run only the target and send features and labels to the
+    drafter ranks [target_ranks, world); drafter j (dp rank j) is fed by target rank
+    j % target_ranks, so one target rank may feed several drafters.
+    """
+
+    kind: str  # colocated | split
+    role: str  # colocated | target | drafter
+    dp_rank: int  # this rank's index among drafter replicas (-1 on target-only ranks)
+    dp_world: int  # number of drafter replicas
+    target_ranks: tuple[int, ...]
+    drafter_ranks: tuple[int, ...]
+    group: Any = None  # process group of the drafter replicas (None: the default group)
+
+    @property
+    def feeder(self) -> int:
+        """The target rank that feeds this drafter rank (split)."""
+        return self.target_ranks[self.dp_rank % len(self.target_ranks)]
+
+    def consumers(self, rank: int) -> list[int]:
+        """Drafter ranks fed by target rank `rank` (split), in dp order."""
+        t = self.target_ranks.index(rank)
+        return [d for j, d in enumerate(self.drafter_ranks) if j % len(self.target_ranks) == t]
+
+    @property
+    def is_logger(self) -> bool:
+        """The rank that logs, checkpoints and exports: the first drafter replica."""
+        return self.dp_rank == 0
+
+
+def assign_placement(info: DistInfo, kind: str, target_ranks: int) -> Placement:
+    ranks = tuple(range(info.world))
+    if kind == "colocated":
+        return Placement("colocated", "colocated", info.rank, info.world, ranks, ranks)
+    if not 1 <= target_ranks < info.world:
+        raise ValueError(
+            f"split placement needs 1 <= parallel.target_ranks < world size; got "
+            f"target_ranks={target_ranks} with {info.world} process(es) (e.g. torchrun "
+            "--nproc-per-node 2 with target_ranks = 1)"
+        )
+    targets, drafters = ranks[:target_ranks], ranks[target_ranks:]
+    if len(targets) > len(drafters):
+        raise ValueError(
+            f"split placement with {len(targets)} target ranks and {len(drafters)} drafter "
+            "ranks would leave target ranks idle; use at most as many target ranks as drafters"
+        )
+    # Every rank must take part in creating the group, drafters or not.
+    group = dist.new_group(list(drafters)) if len(drafters) > 1 else None
+    if info.rank in targets:
+        return Placement("split", "target", -1, len(drafters), targets, drafters, group)
+    return Placement(
+        "split", "drafter", drafters.index(info.rank), len(drafters), targets, drafters, group
+    )
+
+
+def dp_all_reduce_sum(tensor: Tensor, placement: Placement) -> Tensor:
+    """Sum over the drafter replicas only."""
+    if placement.dp_world > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=placement.group)
+    return tensor
+
+
+def dp_barrier(placement: Placement) -> None:
+    if placement.dp_world > 1:
+        dist.barrier(group=placement.group)
+
+
+class FeatureChannel:
+    """Point-to-point transfer of (features [1, T, K*H], next tokens [1, A, B-1]) between one
+    target rank and one drafter rank, with at most `depth` transfers in flight.
+
+    Shapes are static (rows are padded to the token budget, A is fixed), so the receiver
+    preallocates. The sender never waits for a drafter step unless `depth` transfers are
+    already queued; the receiver posts the next receives before it computes on the current.
+    """
+
+    def __init__(
+        self,
+        peer: int,
+        feature_shape: tuple[int, ...],
+        label_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        depth: int,
+    ) -> None:
+        self.peer, self.depth = peer, max(1, depth)
+        self.feature_shape, self.label_shape = feature_shape, label_shape
+        self.dtype, self.device = dtype, device
+        self._pending: list[tuple[list[Any], tuple[Tensor, Tensor]]] = []
+
+    def send(self, features: Tensor, next_tokens: Tensor) -> None:
+        while len(self._pending) >= self.depth:
+            works, _ = self._pending.pop(0)
+            for work in works:
+                work.wait()
+        payload = (features.contiguous(), next_tokens.contiguous())
+        works = [dist.isend(t, self.peer) for t in payload]
+        self._pending.append((works, payload))  # keep buffers alive until sent
+
+    def flush(self) -> None:
+        for works, _ in self._pending:
+            for work in works:
+                work.wait()
+        self._pending.clear()
+
+    def _post(self) -> None:
+        features = torch.empty(self.feature_shape, dtype=self.dtype, device=self.device)
+        labels = torch.empty(self.label_shape, dtype=torch.long, device=self.device)
+        works = [dist.irecv(features, self.peer), dist.irecv(labels, self.peer)]
+        self._pending.append((works, (features, labels)))
+
+    def receive(self, remaining: int) -> tuple[Tensor, Tensor]:
+        """The next transfer, keeping up to `depth` receives posted ahead, but never past the
+        `remaining` transfers the sender will make (a dangling receive would hang)."""
+        while len(self._pending) < min(self.depth, remaining):
+            self._post()
+        works, (features, labels) = self._pending.pop(0)
+        for work in works:
+            work.wait()
+        return features, labels
+
+
+def send_head(head_weights: list[Tensor], peers: list[int]) -> None:
+    """Target rank -> drafter ranks, once: the embedding and LM-head weights."""
+    for peer in peers:
+        for tensor in head_weights:
+            dist.send(tensor.contiguous(), peer)
+
+
+def receive_head(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, peer: int
+) -> list[Tensor]:
+    out = []
+    for shape in shapes:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, peer)
+        out.append(tensor)
+    return out
+
+
+def shard_target(layers: nn.ModuleList) -> None:
+    """FSDP2 over the target's decoder layers (no optimizer state): each rank keeps 1/world
+    of their weights and all-gathers a layer just before it runs. The embedding, final norm
+    and LM head stay whole on every rank: the drafter uses them directly."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=True)

@@ -1,0 +1,105 @@
+"""Will this run fit? A memory estimate from the run config, checked before anything loads.
+
+All terms in bytes, per GPU, for the colocated placement (the target and a drafter replica on
+every rank). Coefficients of the activation terms were measured on an H200 (bench/drafter.py,
+bench/trainer.py) and are deliberately a little generous; the estimate is a guard against
+runs that cannot fit, not an allocator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashdraft.model.config import DrafterConfig
+from flashdraft.train.config import RunConfig
+
+GB = 2**30
+# Saved activations per query token per drafter layer, in bytes per unit of (H + I):
+# 23.0 GB peak for A*B = 8192 queries, 5 layers, H = 4096, I = 12288 (bench/drafter.py),
+# after weights, gradients, bf16 weight copies and the LM-head chunk: ~13 B; rounded up.
+DRAFTER_ACT_BYTES = 16
+MARGIN = 1.10  # allocator fragmentation and CUDA context
+
+
+@dataclass(slots=True)
+class MemoryEstimate:
+    terms: dict[str, float]  # name -> bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values()) * MARGIN
+
+    def table(self) -> str:
+        rows = [f"  {name:<34} {value / GB:8.2f} GB" for name, value in self.terms.items()]
+        rows.append(f"  {'total (x' + str(MARGIN) + ' margin)':<34} {self.total / GB:8.2f} GB")
+        return "\n".join(rows)
+
+
+def target_param_bytes(target_config: Any, dtype_bytes: int) -> float:
+    """Parameters of the target counted on the meta device (no memory, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config)
+    return float(sum(p.numel() for p in model.parameters()) * dtype_bytes)
+
+
+def estimate(
+    config: RunConfig,
+    drafter: DrafterConfig,
+    target_config: Any,
+    drafter_params: int,
+    shards: int = 1,
+) -> MemoryEstimate:
+    text = target_config.get_text_config()
+    dtype_bytes = 4 if config.target.dtype == "float32" else 2
+    t, h = config.data.row_tokens, text.hidden_size
+    inter = text.intermediate_size
+    q = config.loss.anchors * drafter.block_size
+    kv_dim = drafter.num_key_value_heads * drafter.head_dim
+    return MemoryEstimate(
+        {
+            "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
+            # One layer's transient (MLP gate/up/act, attention q/k/v/out) at row length.
+            "target activations": t * (3 * inter + 6 * h) * dtype_bytes,
+            "taps + last hidden state": t * h * (drafter.num_taps + 1) * dtype_bytes,
+            "drafter weights+grads+AdamW (fp32)": drafter_params * 16.0,
+            "drafter bf16 weight copies": drafter_params * 2.0,
+            "drafter activations (A*B queries)": (
+                q * drafter.num_hidden_layers * DRAFTER_ACT_BYTES * (h + drafter.intermediate_size)
+            ),
+            "drafter context K/V (row length)": t
+            * (drafter.num_hidden_layers * 6 * kv_dim * 4 + 8 * h),
+            "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
+        }
+    )
+
+
+def check(
+    config: RunConfig,
+    drafter: DrafterConfig,
+    target_config: Any,
+    drafter_params: int,
+    device: torch.device,
+) -> MemoryEstimate:
+    """Raise ValueError, with the numbers and what to change, if the run cannot fit."""
+    shards = 1
+    if config.parallel.shard_target and torch.distributed.is_initialized():
+        shards = torch.distributed.get_world_size()
+    result = estimate(config, drafter, target_config, drafter_params, shards)
+    if device.type != "cuda":
+        return result
+    free, total = torch.cuda.mem_get_info(device)
+    if result.total > free:
+        raise ValueError(
+            f"this run needs about {result.total / GB:.1f} GB per GPU but {free / GB:.1f} GB of "
+            f"{total / GB:.1f} GB are free:\n{result.table()}\n"
+            "to fit: lower loss.anchors (drafter activations), data.row_tokens (target "
+            "activations, context), loss.chunk_rows (LM head), drafter.num_layers; or shard the "
+            "target (parallel.shard_target) / use parallel.placement = 'split'. "
+            "Set preflight = false to try anyway."
+        )
+    return result

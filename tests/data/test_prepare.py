@@ -1,0 +1,348 @@
+"""`flashdraft prepare` end to end: inputs, rejects, determinism, resume, refusals."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import zstandard
+
+from flashdraft import cli
+from flashdraft.data.dataset import open_dataset
+from flashdraft.data.prepare import PrepareConfig, prepare
+
+
+def chat(i: int) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": f"Tell me about topic {i}."},
+            {
+                "role": "assistant",
+                "content": f"Topic {i} matters because of fact {i * 3}, seen in case {i % 7}.",
+            },
+        ]
+    }
+
+
+def lines(records: list[Any]) -> bytes:
+    return b"".join(
+        (r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records
+    )
+
+
+BAD = [
+    b'{"messages": [',  # malformed JSON
+    b'{"prompt": "caf\xe9", "completion": "x"}',  # invalid UTF-8 (latin-1 bytes)
+    {"messages": [{"role": "robot", "content": "beep"}]},
+    {"messages": [{"content": "no role"}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]},
+]
+
+
+def config(inputs: list[str], tokenizer: Path, output: Path, **kw: Any) -> PrepareConfig:
+    kw.setdefault("workers", 1)
+    kw.setdefault("progress", False)
+    kw.setdefault("preview", 0)
+    return PrepareConfig(inputs=inputs, tokenizer=str(tokenizer), output=str(output), **kw)
+
+
+def run(cfg: PrepareConfig) -> Any:
+    return prepare(cfg, log=lambda _: None)
+
+
+def test_mixed_inputs_end_to_end(tmp_path: Path, smollm2_dir: Path) -> None:
+    data = tmp_path / "in"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.jsonl").write_bytes(lines([chat(i) for i in range(20)] + BAD))
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"hi {i}"},
+                {"from": "gpt", "value": f"hello there, friend number {i}!"},
+            ]
+        }
+        for i in range(10)
+    ]
+    (data / "sub" / "b.jsonl.gz").write_bytes(gzip.compress(lines(sharegpt)))
+    completions = [
+        {"prompt": f"Count to {i}.", "response": " ".join(str(k) for k in range(1, i + 12))}
+        for i in range(10)
+    ]
+    (data / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines(completions)))
+    result = run(config([str(data)], smollm2_dir, tmp_path / "out", max_reject_rate=0.5))
+    manifest = result.manifest
+    assert manifest["status"] == "complete", manifest["problems"]
+    assert manifest["counts"] == {
+        "records": 46,
+        "samples": 40,
+        "rejected": 6,
+        "truncated": 0,
+        "tokens": manifest["counts"]["tokens"],
+        "loss_tokens": manifest["counts"]["loss_tokens"],
+    }
+    # Inputs in sorted order, with the hash of the bytes as stored (compressed).
+    assert [Path(i["url"]).name for i in manifest["inputs"]] == [
+        "a.jsonl",
+        "c.jsonl.zst",
+        "b.jsonl.gz",
+    ]
+    for entry in manifest["inputs"]:
+        assert entry["sha256"] == hashlib.sha256(Path(entry["url"]).read_bytes()).hexdigest()
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in rejects] == [f"{data / 'a.jsonl'}:{n}" for n in range(21, 27)]
+    reasons = " | ".join(r["reason"] for r in rejects)
+    for reason in (
+        "malformed JSON",
+        "invalid UTF-8",
+        "unknown or missing role 'robot'",
+        "missing role None",
+        "two user turns",
+        "empty",
+    ):
+        assert reason in reasons
+    dataset = open_dataset(str(tmp_path / "out"))
+    assert len(dataset) == 40 and dataset.source(0) == f"{data / 'a.jsonl'}:1"
+    assert int(dataset.num_loss_tokens.sum()) == manifest["counts"]["loss_tokens"]
+    datasets = pytest.importorskip("datasets")
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))) == 40
+
+
+def test_output_independent_of_workers_and_resume(tmp_path: Path, smollm2_dir: Path) -> None:
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(60)] + BAD[:1]))
+    one = run(
+        config([str(source)], smollm2_dir, tmp_path / "one", shard_size=16, max_reject_rate=0.1)
+    )
+    two = run(
+        config(
+            [str(source)],
+            smollm2_dir,
+            tmp_path / "two",
+            shard_size=16,
+            max_reject_rate=0.1,
+            workers=2,
+        )
+    )
+    files = sorted(p.name for p in (tmp_path / "one").iterdir() if p.is_file())
+    assert files == [
+        "data-00000-of-00004.arrow",
+        "data-00001-of-00004.arrow",
+        "data-00002-of-00004.arrow",
+        "data-00003-of-00004.arrow",
+        "dataset_info.json",
+        "manifest.json",
+        "rejects.jsonl",
+        "state.json",
+    ]
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    assert one.manifest == two.manifest
+
+    # An interrupted shard has no marker: a re-run redoes it alone and ends identical.
+    before = {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if p.is_file()}
+    (tmp_path / "one" / ".work" / "shard-00002.json").unlink()
+    again = run(
+        config([str(source)], smollm2_dir, tmp_path / "one", shard_size=16, max_reject_rate=0.1)
+    )
+    assert again.reused_shards == 3
+    assert before == {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if p.is_file()}
+    # Grown input: the finished shards are reused, the last one is redone, names follow.
+    source.write_bytes(
+        lines([chat(i) for i in range(60)] + BAD[:1] + [chat(100 + i) for i in range(20)])
+    )
+    grown = run(
+        config([str(source)], smollm2_dir, tmp_path / "one", shard_size=16, max_reject_rate=0.1)
+    )
+    assert grown.reused_shards == 3
+    assert len(open_dataset(str(tmp_path / "one"))) == 80
+    assert grown.manifest["data_files"][-1] == "data-00005-of-00006.arrow"
+
+
+def test_other_settings_are_refused_unless_overwrite(tmp_path: Path, smollm2_dir: Path) -> None:
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(8)]))
+    run(config([str(source)], smollm2_dir, tmp_path / "out"))
+    with pytest.raises(FileExistsError, match="other settings"):
+        run(config([str(source)], smollm2_dir, tmp_path / "out", turns="last"))
+    result = run(config([str(source)], smollm2_dir, tmp_path / "out", turns="last", overwrite=True))
+    assert result.manifest["options"]["turns"] == "last"
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a flashdraft dataset"):
+        run(config([str(source)], smollm2_dir, tmp_path / "foreign", overwrite=True))
+
+
+def test_too_many_rejects_fail_the_run(
+    tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "mostly-bad.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(20)] + BAD))
+    out = tmp_path / "out"
+    argv = [
+        "prepare",
+        str(source),
+        "--tokenizer",
+        str(smollm2_dir),
+        "--output",
+        str(out),
+        "--workers",
+        "1",
+        "--preview",
+        "0",
+    ]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "6 of 26 records (23.1%) were rejected, more than --max-reject-rate 0.01" in err
+    assert "rejects.jsonl" in err
+    with pytest.raises(ValueError, match="must not be trained on"):
+        open_dataset(str(out))
+    # Raising the threshold reuses the finished shards and completes.
+    assert cli.main([*argv, "--max-reject-rate", "0.3"]) == 0
+    assert len(open_dataset(str(out))) == 20
+
+
+def test_degenerate_data_is_refused_unless_allowed(
+    tmp_path: Path, qwen3_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 87% of the responses are an empty think block and "OK.": the incident from the issue.
+    records = [chat(i) for i in range(13)] + [
+        {
+            "messages": [
+                {"role": "user", "content": f"Ping {i}"},
+                {"role": "assistant", "content": "<think>\n\n</think>\n\nOK."},
+            ]
+        }
+        for i in range(87)
+    ]
+    source = tmp_path / "ok.jsonl"
+    source.write_bytes(lines(records))
+    argv = [
+        "prepare",
+        str(source),
+        "--tokenizer",
+        str(qwen3_tokenizer_dir),
+        "--output",
+        str(tmp_path / "out"),
+        "--workers",
+        "1",
+        "--preview",
+        "0",
+    ]
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert (
+        "86 of 100 samples (86.0%) train on a response that another sample also trains on"
+        in captured.err
+    )
+    assert "87 x 'OK.<|im_end|>'" in captured.err  # the empty think block is not trained
+    assert "--allow-degenerate" in captured.err
+    assert cli.main([*argv, "--allow-degenerate"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and len(manifest["warnings"]) == 2
+
+
+def test_overlong_samples_are_dropped_or_truncated(tmp_path: Path, smollm2_dir: Path) -> None:
+    long_answer = "word " * 200
+    records = [chat(i) for i in range(30)] + [
+        {
+            "messages": [
+                {"role": "user", "content": "long?"},
+                {"role": "assistant", "content": long_answer},
+            ]
+        }
+    ]
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines(records))
+    dropped = run(
+        config([str(source)], smollm2_dir, tmp_path / "drop", max_length=100, max_reject_rate=0.05)
+    )
+    assert (
+        dropped.manifest["counts"]["rejected"] == 1 and dropped.manifest["counts"]["samples"] == 30
+    )
+    reject = json.loads((tmp_path / "drop" / "rejects.jsonl").read_text())
+    assert reject["source"].endswith(":31") and "over --max-length 100" in reject["reason"]
+    truncated = run(
+        config(
+            [str(source)],
+            smollm2_dir,
+            tmp_path / "cut",
+            max_length=100,
+            overlong="truncate",
+            thresholds=_lenient(),
+        )
+    )
+    assert truncated.manifest["counts"]["truncated"] == 1
+    dataset = open_dataset(str(tmp_path / "cut"))
+    assert dataset.num_tokens.max() == 100 and len(dataset) == 31
+
+
+def _lenient() -> Any:
+    from flashdraft.data.audit import Thresholds
+
+    return Thresholds(max_truncated_share=0.5)
+
+
+def test_rewritten_turns_get_their_own_samples(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
+    record = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": "Hello, how can I help you today?",
+                "reasoning_content": "A greeting.",
+            },
+            {"role": "user", "content": "What is 2+2?"},
+            {
+                "role": "assistant",
+                "content": "2+2 is 4, a basic sum.",
+                "reasoning_content": "Add the numbers.",
+            },
+        ]
+    }
+    source = tmp_path / "think.jsonl"
+    source.write_bytes(lines([record, chat(1)]))
+    result = run(
+        config([str(source)], qwen3_tokenizer_dir, tmp_path / "out", thresholds=_lenient())
+    )
+    dataset = open_dataset(str(tmp_path / "out"))
+    assert [dataset.source(i) for i in range(len(dataset))] == [
+        f"{source}:1#1",
+        f"{source}:1",
+        f"{source}:2",
+    ]
+    assert result.manifest["counts"]["records"] == 2
+
+
+def test_fsspec_urls_for_inputs_and_output(tmp_path: Path, smollm2_dir: Path) -> None:
+    with fsspec.open("memory://flashdraft-prepare/in/chats.jsonl", "wb") as f:
+        f.write(lines([chat(i) for i in range(12)]))
+    out = "memory://flashdraft-prepare/out"
+    cfg = PrepareConfig(
+        inputs=["memory://flashdraft-prepare/in/*.jsonl"],
+        tokenizer=str(smollm2_dir),
+        output=out,
+        workers=1,
+        shard_size=5,
+        progress=False,
+        preview=0,
+    )
+    result = run(cfg)
+    assert result.manifest["inputs"][0]["url"] == "memory:///flashdraft-prepare/in/chats.jsonl"
+    assert result.manifest["counts"]["samples"] == 12
+    assert open_dataset(out).source(11) == "memory:///flashdraft-prepare/in/chats.jsonl:12"
+    assert run(cfg).reused_shards == 3
+    with pytest.raises(FileNotFoundError, match="matched no data files"):
+        run(config(["memory://flashdraft-prepare/none/*.jsonl"], smollm2_dir, tmp_path / "out2"))
+
+
+def test_config_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="overlong"):
+        PrepareConfig(inputs=["x"], tokenizer="t", output="o", overlong="wrap")
+    with pytest.raises(ValueError, match="max-reject-rate"):
+        PrepareConfig(inputs=["x"], tokenizer="t", output="o", max_reject_rate=3)

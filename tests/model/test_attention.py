@@ -1,0 +1,139 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+from flashdraft.model.attention import BlockLayout, build_mask, decode_mask, dflash_mask_mod
+
+
+def _layout(valid: list[bool] | None = None) -> BlockLayout:
+    # T = 10, B = 4, anchors [3, 6]; document 0 = tokens 0..4, document 1 = tokens 5..9.
+    return BlockLayout(
+        anchors=torch.tensor([[3, 6]]),
+        anchor_valid=torch.tensor([valid or [True, True]]),
+        doc_ids=torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1]]),
+        block_size=4,
+    )
+
+
+def _rows(*rows: str) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in r.replace(" ", "")] for r in rows])
+
+
+# Columns: 10 context keys | block 0 keys (4) | block 1 keys (4).
+FULL = _rows(
+    "1110000000 1111 0000",  # block 0 (anchor 3): context 0..2 only (strictly before the anchor)
+    "1110000000 1111 0000",
+    "1110000000 1111 0000",
+    "1110000000 1111 0000",
+    "0000010000 0000 1111",  # block 1 (anchor 6): context 5 only (document 1, before 6)
+    "0000010000 0000 1111",
+    "0000010000 0000 1111",
+    "0000010000 0000 1111",
+)
+SLIDING_W2 = _rows(
+    "0110000000 1000 0000",  # last W=2 context positions before anchor 3; causal in block
+    "0110000000 1100 0000",
+    "0110000000 1110 0000",
+    "0110000000 1111 0000",
+    "0000010000 0000 1000",  # positions 4..5 in window, but 4 belongs to document 0
+    "0000010000 0000 1100",
+    "0000010000 0000 1110",
+    "0000010000 0000 1111",
+)
+
+
+def test_hand_worked_full_mask() -> None:
+    mask = build_mask(_layout(), "sdpa")
+    assert mask.shape == (1, 1, 8, 18)
+    assert torch.equal(mask[0, 0], FULL)
+
+
+def test_hand_worked_sliding_mask() -> None:
+    mask = build_mask(_layout(), "sdpa", sliding_window=2)
+    assert torch.equal(mask[0, 0], SLIDING_W2)
+
+
+def test_invalid_anchor_sees_only_its_block() -> None:
+    mask = build_mask(_layout([True, False]), "sdpa")[0, 0]
+    assert torch.equal(mask[:4], FULL[:4])
+    assert not mask[4:, :10].any()
+    assert mask[4:, 14:].all()
+
+
+def test_every_query_sees_something() -> None:
+    mask = build_mask(_layout([False, False]), "sdpa", sliding_window=1)
+    assert mask.any(dim=-1).all()
+
+
+def _random_layout(seed: int, rows: int = 2, ctx: int = 40, anchors: int = 5, block: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.cumsum((torch.rand(rows, ctx, generator=gen) < 0.15).long(), dim=1)
+    docs[:, -3:] = -1  # padding tail
+    anchor_idx = torch.sort(torch.randint(0, ctx - 3, (rows, anchors), generator=gen)).values
+    valid = torch.rand(rows, anchors, generator=gen) < 0.8
+    return BlockLayout(anchor_idx, valid, docs, block)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_flex_block_mask_equals_dense_mask_forward(window: int | None) -> None:
+    """The same mask_mod through flex_attention (BlockMask) and SDPA (dense) on CPU (forward)."""
+    layout = _random_layout(0)
+    q_len = layout.num_queries
+    kv_len = layout.context_len + q_len
+    mask_mod = dflash_mask_mod(layout, window)
+    block_mask = create_block_mask(mask_mod, layout.num_rows, None, q_len, kv_len, device="cpu")
+    dense = create_mask(mask_mod, layout.num_rows, None, q_len, kv_len, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(layout.num_rows, 4, q_len, 8, generator=gen)
+    k = torch.randn(layout.num_rows, 2, kv_len, 8, generator=gen)
+    v = torch.randn(layout.num_rows, 2, kv_len, 8, generator=gen)
+    out_flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    out_sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    torch.testing.assert_close(out_flex, out_sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_mask_matches_training_mask_for_one_anchor() -> None:
+    # Anchor at packed index 7 of an 8-token document: its visible context is 0..6, exactly
+    # the decode-time cache when the anchor (the bonus token) sits at position 7.
+    for window in (None, 3):
+        layout = BlockLayout(
+            torch.tensor([[7]]), torch.tensor([[True]]), torch.zeros(1, 8, dtype=torch.long), 4
+        )
+        train = build_mask(layout, "sdpa", window)[0, 0]
+        assert not train[:, 7].any()  # the anchor's own position is never context
+        train = torch.cat([train[:, :7], train[:, 8:]], dim=1)
+        decode = decode_mask(7, 4, window, torch.device("cpu"))
+        expected = torch.ones_like(train) if decode is None else decode[0, 0]
+        assert torch.equal(train, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 64])
+def test_flex_equals_sdpa_forward_and_gradients_cuda(window: int | None) -> None:
+    layout = _random_layout(2, rows=2, ctx=1024, anchors=48, block=16)
+    layout = BlockLayout(
+        *(t.cuda() for t in (layout.anchors, layout.anchor_valid, layout.doc_ids)), 16
+    )  # type: ignore[arg-type]
+    q_len, kv_len = layout.num_queries, layout.context_len + layout.num_queries
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def inputs() -> list[torch.Tensor]:
+        shapes = [(2, 8, q_len, 64), (2, 2, kv_len, 64), (2, 2, kv_len, 64)]
+        return [
+            torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for s in shapes
+        ]
+
+    q, k, v = inputs()
+    from flashdraft.model.attention import attend
+
+    out_flex = attend(q, k, v, build_mask(layout, "flex", window), 0.125)
+    grads_flex = torch.autograd.grad(out_flex.float().square().sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out_ref = attend(q2, k2, v2, build_mask(layout, "sdpa", window), 0.125)
+    grads_ref = torch.autograd.grad(out_ref.square().sum(), (q2, k2, v2))
+    torch.testing.assert_close(out_flex.float(), out_ref, rtol=2e-2, atol=2e-2)
+    for g_flex, g_ref in zip(grads_flex, grads_ref, strict=True):
+        rel = (g_flex.float() - g_ref).norm() / g_ref.norm()
+        assert rel < 2e-2, rel

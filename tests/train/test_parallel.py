@@ -1,0 +1,225 @@
+"""Two processes on CPU (gloo) under torchrun: the same loss curve as one process on the same
+global batch, in both placements, and resuming on a different world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import read_metrics, train_settings
+
+from flashdraft import cli
+
+COMPARED = ("loss", "tau_hat", "acc", "grad_norm", "trained_slots", "tokens", "rows")
+
+
+def _torchrun(nproc: int, settings: list[str], *extra: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "flashdraft.cli",
+        "train",
+        *settings,
+        *extra,
+    ]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_qwen3_dir, qwen_data) -> list[dict]:
+    """The control: one process, two rows per step (grad_accum 2)."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    settings = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"optim.grad_accum": 2, "optim.max_steps": 8}
+    )
+    assert cli.main(["train", *settings]) == 0
+    return read_metrics(run)
+
+
+def _same_curve(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+@pytest.mark.parametrize(
+    ("placement", "extra"),
+    [
+        ("colocated", {"optim.grad_accum": 1}),  # 2 replicas x 1 row
+        (
+            "split",
+            {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
+        ),
+        # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
+        # for one GPU); the drafter replicas still see the whole target's features
+        ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
+    ],
+)
+def test_two_processes_match_one_on_the_same_global_batch(
+    tmp_path, tiny_qwen3_dir, qwen_data, single, placement, extra
+) -> None:
+    run = tmp_path / placement
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, **extra})
+    out = _torchrun(2, settings)
+    assert ("target layers sharded over 2 ranks" in out) == (placement == "sharded-target")
+    _same_curve(read_metrics(run), single)
+    assert (run / "export" / "model.safetensors").exists()
+
+
+def test_fsdp_drafter_matches_one_process_and_exports_full_weights(
+    tmp_path, tiny_qwen3_dir, qwen_data, single
+) -> None:
+    """drafter_sharding = "fsdp": the same curve as one process, and the in-training eval,
+    the best-by-tau export and the final export see the whole drafter, not a rank's shard."""
+    from safetensors.torch import load_file
+
+    prompts = tmp_path / "held_out.jsonl"
+    prompts.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Name three colours."}]}) + "\n"
+    )
+    run = tmp_path / "fsdp"
+    extra = {
+        "optim.max_steps": 8,
+        "optim.grad_accum": 1,
+        "parallel.drafter_sharding": '"fsdp"',
+        "eval.every": 4,
+        "eval.prompts": f'"{prompts}"',
+        "eval.max_new_tokens": 8,
+    }
+    out = _torchrun(2, train_settings(run, tiny_qwen3_dir, qwen_data, **extra))
+    assert "(drafter sharded, FSDP2)" in out
+    records = read_metrics(run)
+    _same_curve([r for r in records if "loss" in r], single)
+    assert sorted(r["step"] for r in records if "eval_tau" in r) == [4, 8]
+    final = load_file(str(run / "checkpoints" / "step_00000008" / "drafter.safetensors"))
+    export = load_file(str(run / "export" / "model.safetensors"))
+    assert (run / "best" / "model.safetensors").exists()
+    for name, tensor in export.items():
+        assert tensor.shape == final[name].shape, name  # whole tensors, not a rank's half
+        assert torch.equal(tensor, final[name].to(tensor.dtype)), name
+
+
+def test_resume_on_a_different_world_size(tmp_path, tiny_qwen3_dir, qwen_data, single) -> None:
+    """Checkpoints hold full state and a global row cursor: 2 processes -> 1 process."""
+    run = tmp_path / "run"
+    two = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 4, "checkpoint.every": 4}
+    )
+    _torchrun(2, two)
+    state = json.loads((run / "checkpoints" / "step_00000004" / "state.json").read_text())
+    assert state["cursor"] == 8 and state["dp_world"] == 2
+    # One process, two rows per step: the same global batch, so the same curve as the control.
+    one = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2}
+    )
+    assert cli.main(["train", *one, "--resume"]) == 0
+    _same_curve(read_metrics(run), single)
+
+
+def test_split_placement_needs_a_drafter_rank() -> None:
+    from flashdraft.train.parallel import DistInfo, assign_placement
+
+    info = DistInfo(rank=0, world=1, local_rank=0, device=__import__("torch").device("cpu"))
+    with pytest.raises(ValueError, match="target_ranks"):
+        assign_placement(info, "split", 1)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    ("placement", "extra"),
+    [
+        ("colocated", {"optim.grad_accum": 1}),
+        (
+            "split",
+            {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
+        ),
+        # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
+        # for one GPU); the drafter replicas still see the whole target's features
+        ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
+        ("fsdp-drafter", {"optim.grad_accum": 1, "parallel.drafter_sharding": '"fsdp"'}),
+    ],
+)
+def test_two_gpus_match_one_gpu_on_the_same_global_batch(
+    tmp_path, tiny_qwen3_dir, qwen_data, placement, extra
+) -> None:
+    """NCCL on 2 GPUs, bf16 target and autocast: the 1-GPU curve within bf16 noise."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cuda = {"device": '"cuda"', "optim.max_steps": 8, "optim.lr": 3e-3}
+    control = tmp_path / "one"
+    settings = train_settings(control, tiny_qwen3_dir, qwen_data, **{**cuda, "optim.grad_accum": 2})
+    assert cli.main(["train", *settings]) == 0
+    run = tmp_path / placement
+    _torchrun(2, train_settings(run, tiny_qwen3_dir, qwen_data, **{**cuda, **extra}))
+    got, want = read_metrics(run), read_metrics(control)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), a["step"]
+        assert a["tokens"] == b["tokens"] and a["trained_slots"] == b["trained_slots"]
+
+
+@pytest.mark.slow
+def test_four_processes_split_two_plus_two_match_one(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
+    """The original layout on CPU: targets on 2 ranks, drafters on 2 (data parallel x2),
+    2 replicas x 2 rows per step, compared with 1 process x 4 rows (the same global batch)."""
+    control = tmp_path / "one"
+    one = train_settings(
+        control, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 4, "optim.grad_accum": 4}
+    )
+    assert cli.main(["train", *one]) == 0
+    run = tmp_path / "split22"
+    settings = train_settings(
+        run,
+        tiny_qwen3_dir,
+        qwen_data,
+        **{"optim.max_steps": 4, "optim.grad_accum": 2},
+        **{"parallel.placement": '"split"', "parallel.target_ranks": 2},
+    )
+    _torchrun(4, settings)
+    _same_curve(read_metrics(run), read_metrics(control))
+
+
+def test_gradient_sync_defers_the_reduction_for_ddp_and_fsdp2(monkeypatch) -> None:
+    """Gradient accumulation: every micro-batch but the last skips the cross-replica reduction,
+    with DDP's `no_sync` and FSDP2's `set_requires_gradient_sync` alike (FSDP2 modules have
+    no `no_sync`; probing for it silently reduced every micro-batch)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flashdraft.train.parallel import gradient_sync
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+        with gradient_sync(ddp, enabled=False):
+            assert not ddp.require_backward_grad_sync
+        assert ddp.require_backward_grad_sync
+
+        fsdp = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        calls: list[bool] = []
+        monkeypatch.setattr(fsdp, "set_requires_gradient_sync", calls.append)
+        with gradient_sync(fsdp, enabled=False):
+            assert calls == [False]
+        assert calls == [False, True]
+        with gradient_sync(fsdp, enabled=True):
+            pass
+        assert calls == [False, True]
+    finally:
+        dist.destroy_process_group()
