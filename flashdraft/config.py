@@ -13,7 +13,8 @@ From that one declaration this module derives everything that used to be written
   JSON, plus dotted `--set a.b=v`) to the nested config, unknown keys refused by name;
 * the settings a command writes into its outputs (`settings`): the fields carrying a tag.
 
-Nothing here knows about any particular command; it imports only the standard library.
+Nothing here knows about any particular command; it imports only the standard library and
+`flashdraft.storage`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
+
+from flashdraft import storage
 
 _MISSING: Any = dataclasses.MISSING
 
@@ -280,8 +283,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_file(url: str | None, overrides: list[str] | None = None) -> dict[str, Any]:
     """A TOML (or .json) file as a dict, plus dotted overrides; errors name the file."""
-    from flashdraft import storage
-
     data: dict[str, Any] = {}
     if url is not None:
         text = storage.read_text(url)
