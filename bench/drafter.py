@@ -20,6 +20,7 @@ import sys
 import torch
 
 from flashdraft.benchutil import environment, matmul_peak, measure, print_json, print_table
+from flashdraft.log import get_logger
 from flashdraft.model.attention import default_backend
 from flashdraft.model.config import DrafterConfig, default_target_layer_ids
 from flashdraft.model.drafter import DFlashDrafter, param_count
@@ -27,6 +28,8 @@ from flashdraft.model.head import TargetHead
 from flashdraft.train.blocks import sample_anchors, slot_weights
 from flashdraft.train.parallel import compile_drafter
 from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
+
+log = get_logger("bench.drafter")
 
 
 def parse() -> argparse.Namespace:
@@ -215,7 +218,7 @@ def main() -> int:
         rows.append(reference_row(args, device, contexts[0]))
     for row in rows:
         row["mfu"] = round(row["tflops"] * 1e12 / peak, 3)
-    print(f"measured matmul peak: {peak / 1e12:.0f} TFLOP/s on {device}")
+    log.info(f"measured matmul peak: {peak / 1e12:.0f} TFLOP/s on {device}")
     print_table(
         rows,
         [
@@ -240,14 +243,14 @@ def main() -> int:
     if not args.no_reference:
         ref = rows[-1]["query_tok_per_s"]
         result["per_query_token_ratio_vs_hf_stack"] = round(ref / rows[0]["query_tok_per_s"], 3)
-        print(
+        log.info(
             f"drafter time per query token / HF stack time per token: "
             f"{result['per_query_token_ratio_vs_hf_stack']}"
         )
     if len(contexts) > 1:
         grow = rows[1]["peak_minus_inputs_gb"] - rows[0]["peak_minus_inputs_gb"]
         result["peak_growth_gb_when_context_doubles"] = round(grow, 3)
-        print(
+        log.info(
             f"peak memory growth (excluding input features) {contexts[0]} -> {contexts[1]}: {grow:.2f} GB"
         )
     print_json(result)

@@ -5,7 +5,7 @@
     python bench/eval.py --smoke                      # CPU, tiny sizes: checks the script runs
 
 Evaluates on held-out prompts of two kinds (HumanEval code prompts, multi-turn chitchat
-conversations) with `flashdraft.evaluate.evaluate_drafter`: the real draft-and-verify loop
+conversations) with `flashdraft.eval.evaluate.evaluate_drafter`: the real draft-and-verify loop
 against the live target, and the same loop with B = 1 (the target alone) on the same prompts
 for the lossless check (T = 0) and the speedup (decode time per output token, prefill
 excluded; CUDA only). Also times one loop step's parts in isolation (target forward over 1
@@ -13,7 +13,7 @@ and over B tokens, drafter block + draft logits, drafter context update), so the
 speedup can be read against tau.
 
 `--fit-steps N` (when no `--drafter` is given) trains a drafter first with flashdraft's own
-training step (`flashdraft.step.draft_loss`) on SmolLM2's greedy answers to chitchat prompts
+training step (`flashdraft.train.step.draft_loss`) on SmolLM2's greedy answers to chitchat prompts
 that the evaluation does not use: a stand-in for `flashdraft train`, not a tuned recipe.
 
 The prompts and the target come from the offline asset packages by default. On a machine
@@ -31,15 +31,19 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from flashdraft.assets import chitchat_conversations, humaneval_prompts, smollm2_path
 from flashdraft.benchutil import environment, measure, print_json, print_table
-from flashdraft.eval.evaluate import evaluate_drafter, plot_acceptance, render_prompt
+from flashdraft.eval.evaluate import evaluate_drafter
+from flashdraft.eval.prompts import prompt_ids
+from flashdraft.eval.report import plot_acceptance
 from flashdraft.eval.speculative import cache_argument, eos_token_ids
-from flashdraft.export import save_dflash, verify_export
+from flashdraft.export import save_export
+from flashdraft.log import get_logger
 from flashdraft.model.attention import default_backend
 from flashdraft.model.config import DrafterConfig, choose_mask_token_id
 from flashdraft.model.drafter import DFlashDrafter, DraftCache, init_seeded, param_count
@@ -49,6 +53,8 @@ from flashdraft.storage import join, makedirs, write_bytes_atomic, write_json_at
 from flashdraft.train.blocks import label_positions, sample_anchors, slot_weights
 from flashdraft.train.checkpoint import load_drafter
 from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
+
+log = get_logger("bench.eval")
 
 
 def parse() -> argparse.Namespace:
@@ -124,7 +130,7 @@ def write_prompts(directory: str, prompts: dict[str, list[dict[str, Any]]]) -> N
 @torch.inference_mode()
 def generate_answers(target, tokenizer, records, args, device) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, the target's greedy answer ids) for each fit record."""
-    prompts = [render_prompt(r, tokenizer) for r in records]
+    prompts = [prompt_ids(r, tokenizer) for r in records]
     eos = sorted(eos_token_ids(target, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     pairs = []
@@ -241,9 +247,8 @@ def fit_drafter(target, tokenizer, records, args, device) -> tuple[DFlashDrafter
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == args.fit_steps - 1:
             summary = stats.summary()  # host sync, only when logging
-            print(
-                f"fit step {step}: loss {summary['loss']:.3f} tau_hat {summary['tau_hat']:.2f}",
-                file=sys.stderr,
+            log.info(
+                f"fit step {step}: loss {summary['loss']:.3f} tau_hat {summary['tau_hat']:.2f}"
             )
     wrapped.taps.remove()
     info = {
@@ -311,49 +316,11 @@ def step_costs(target, drafter: DFlashDrafter, block: int, device, context: int 
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def main() -> int:
-    args = parse()
-    if args.prompts_dir:
-        prompts = read_prompts(args.prompts_dir, args.num_prompts, args.fit_prompts)
-    else:
-        prompts = asset_prompts(args.num_prompts, args.fit_prompts)
-    if args.write_prompts:
-        write_prompts(args.write_prompts, prompts)
-        print(f"wrote {', '.join(f'{k}.jsonl' for k in prompts)} to {args.write_prompts}")
-        return 0
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # small ops on a shared CPU: more threads only contend
-    from transformers import AutoTokenizer
-
-    path = args.target or str(smollm2_path())
-    target = load_target(path, args.dtype, "sdpa", device)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    result: dict[str, Any] = {"bench": "eval", "target": path}
-    if args.drafter is not None:
-        drafter = load_drafter(args.drafter, num_target_layers=len(decoder_layers(target)))
-        result["drafter"] = args.drafter
-    else:
-        drafter, info = fit_drafter(target, tokenizer, prompts["fit"], args, device)
-        result["drafter"] = "fitted by bench/eval.py"
-        result.update(info)
-        if args.save_drafter:
-            save_dflash(drafter, args.save_drafter)
-            verify_export(drafter, args.save_drafter)
-    # Evaluated as served: in the target's dtype.
-    drafter = drafter.to(device=device, dtype=target.dtype).eval()
-    config = drafter.config
-    block = args.block_size or config.block_size
-    result.update(
-        drafter_layers=config.num_hidden_layers,
-        drafter_params_m=round(param_count(drafter) / 1e6, 2),
-        block_size=block,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-    )
-
+def evaluate_kinds(
+    target, tokenizer, drafter: DFlashDrafter, prompts, block: int, args
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(one table row per prompt kind, the eval report per kind); writes the reports and
+    their plots to --report-dir when given."""
     rows, reports = [], {}
     for kind in KINDS:
         report = evaluate_drafter(
@@ -386,6 +353,68 @@ def main() -> int:
             makedirs(args.report_dir)
             write_json_atomic(join(args.report_dir, f"{kind}.json"), report)
             write_bytes_atomic(join(args.report_dir, f"{kind}.png"), plot_acceptance(report))
+    return rows, reports
+
+
+def overall_speedup(reports: Sequence[dict[str, Any]]) -> float | None:
+    """Decode time per output token, B = 1 over B, over all prompts of every kind (None
+    unless every report measured a speedup: CUDA only)."""
+    if not all("speedup" in r for r in reports):
+        return None
+    timings = [r["timing"] for r in reports]
+    base = sum(t["baseline_decode_s"] for t in timings) / sum(
+        t["baseline_decode_tokens"] for t in timings
+    )
+    spec = sum(t["decode_s"] for t in timings) / sum(t["decode_tokens"] for t in timings)
+    return round(base / spec, 4)
+
+
+def load_or_fit(target, tokenizer, prompts, args, device) -> tuple[DFlashDrafter, dict[str, Any]]:
+    """The drafter of --drafter, or one fitted here (then exported to --save-drafter)."""
+    if args.drafter is not None:
+        drafter = load_drafter(args.drafter, num_target_layers=len(decoder_layers(target)))
+        return drafter, {"drafter": args.drafter}
+    drafter, info = fit_drafter(target, tokenizer, prompts["fit"], args, device)
+    if args.save_drafter:
+        save_export(drafter, args.save_drafter)
+    return drafter, {"drafter": "fitted by bench/eval.py", **info}
+
+
+def main() -> int:
+    args = parse()
+    if args.prompts_dir:
+        prompts = read_prompts(args.prompts_dir, args.num_prompts, args.fit_prompts)
+    else:
+        prompts = asset_prompts(args.num_prompts, args.fit_prompts)
+    if args.write_prompts:
+        write_prompts(args.write_prompts, prompts)
+        log.info(f"wrote {', '.join(f'{k}.jsonl' for k in prompts)} to {args.write_prompts}")
+        return 0
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # small ops on a shared CPU: more threads only contend
+    from transformers import AutoTokenizer
+
+    path = args.target or str(smollm2_path())
+    target = load_target(path, args.dtype, "sdpa", device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    result: dict[str, Any] = {"bench": "eval", "target": path}
+    drafter, info = load_or_fit(target, tokenizer, prompts, args, device)
+    result.update(info)
+    # Evaluated as served: in the target's dtype.
+    drafter = drafter.to(device=device, dtype=target.dtype).eval()
+    config = drafter.config
+    block = args.block_size or config.block_size
+    result.update(
+        drafter_layers=config.num_hidden_layers,
+        drafter_params_m=round(param_count(drafter) / 1e6, 2),
+        block_size=block,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+    )
+    rows, reports = evaluate_kinds(target, tokenizer, drafter, prompts, block, args)
 
     costs = step_costs(target, drafter, block, device)
     all_steps = sum(r["total_steps"] for r in reports.values())
@@ -396,7 +425,7 @@ def main() -> int:
     modelled = tau * costs["target_1_ms"] / step_ms if tau else None
 
     print_table(rows, list(rows[0]))
-    print(
+    log.info(
         f"one step's parts (ms, context 512): target 1 tok {costs['target_1_ms']}, "
         f"target {block} tok {costs['target_B_ms']}, drafter block+logits "
         f"{costs['draft_block_ms']}, drafter context update {costs['draft_extend_ms']}; "
@@ -410,14 +439,9 @@ def main() -> int:
         per_position_acceptance={k: r["per_position_acceptance"] for k, r in reports.items()},
         **environment(),
     )
-    if all("speedup" in r for r in reports.values()):
-        # Decode time per output token, B = 1 over B, over all prompts of both kinds.
-        timings = [r["timing"] for r in reports.values()]
-        base = sum(t["baseline_decode_s"] for t in timings) / sum(
-            t["baseline_decode_tokens"] for t in timings
-        )
-        spec = sum(t["decode_s"] for t in timings) / sum(t["decode_tokens"] for t in timings)
-        result["speedup"] = round(base / spec, 4)
+    speedup = overall_speedup(list(reports.values()))
+    if speedup is not None:
+        result["speedup"] = speedup
     print_json(result)
     return 0
 

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from flashdraft.assets import chitchat_conversations, smollm2_path
-from flashdraft.data.generate import GenerateConfig, load_tokenizer, run_generation
+from flashdraft.data.generate import GenerateConfig, load_chat_tokenizer, run_generation
 from flashdraft.data.inference import (
     Sampling,
+    default_device,
     load_backend,
-    resolve_device,
     resolve_dtype,
     stop_token_ids,
 )
@@ -84,7 +84,7 @@ def peak_memory_gib(device: str) -> float:
 
 def main() -> int:
     args = parse_args()
-    device = resolve_device(args.device)
+    device = default_device(args.device)
     smoke = args.smoke
     count = args.prompts or (8 if smoke else 512)
     max_new_tokens = args.max_new_tokens or (16 if smoke else 256)
@@ -98,7 +98,7 @@ def main() -> int:
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     sampling = Sampling(max_new_tokens=max_new_tokens)
-    tokenizer = load_tokenizer(target, thinking=False)
+    tokenizer = load_chat_tokenizer(target, thinking=False)
     stop_ids = stop_token_ids(target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     backend = load_backend(

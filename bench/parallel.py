@@ -37,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from trainer import SyntheticDataset, add_geometry_arguments, smoke_geometry, target_model
 
 from flashdraft.benchutil import environment, print_json, print_table
-from flashdraft.train.config import load_run_config
+from flashdraft.train.config import RunConfig, load_run_config
 from flashdraft.train.parallel import barrier, init_distributed, shutdown
-from flashdraft.train.trainer import Interval, Trainer, plan_run, serve_target
+from flashdraft.train.plan import plan_run
+from flashdraft.train.server import serve_target
+from flashdraft.train.trainer import Interval, Trainer
 
 
 def parse() -> argparse.Namespace:
@@ -72,16 +74,8 @@ def parse() -> argparse.Namespace:
     return args
 
 
-def worker(args: argparse.Namespace) -> None:
-    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    t0 = time.perf_counter()
-    info = init_distributed(device_kind)
-
-    def phase(what: str) -> None:  # where the start-up time goes (stderr, every rank)
-        print(f"[rank {info.rank} {time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr)
-
-    model = target_model(args, info.device)
-    phase("target built")
+def run_config(args: argparse.Namespace, device_kind: str) -> RunConfig:
+    """The run of one configuration: the synthetic data, the geometry of the arguments."""
     steps = args.warmup + args.iters
     overrides = [
         f"output={tempfile.mkdtemp(prefix='flashdraft-par-')}",
@@ -99,7 +93,20 @@ def worker(args: argparse.Namespace) -> None:
         f"parallel.target_ranks={args.target_ranks}",
         f"compile={str(device_kind == 'cuda').lower()}",
     ]
-    config = load_run_config(None, overrides)
+    return load_run_config(None, overrides)
+
+
+def worker(args: argparse.Namespace) -> None:
+    device_kind = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    t0 = time.perf_counter()
+    info = init_distributed(device_kind)
+
+    def phase(what: str) -> None:  # where the start-up time goes (stderr, every rank)
+        print(f"[rank {info.rank} {time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr)
+
+    model = target_model(args, info.device)
+    phase("target built")
+    config = run_config(args, device_kind)
     dataset = SyntheticDataset(args.docs, args.doc_min, args.doc_max, args.vocab)
     plan = plan_run(config, info, resume=False, target_config=model.config, dataset=dataset)
     if plan.placement.role == "target":
@@ -159,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
         }
         if inline_s is not None:
             result["step_ms_rows_inline"] = round(inline_s * 1e3, 1)
-        print("RESULT " + json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)  # printed, not logged: `launch` parses it
     shutdown(info)
 
 

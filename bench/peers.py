@@ -4,7 +4,7 @@ Times forward + backward + optimizer of each framework's DFlash drafter on the s
 the same geometry and the same seeded inputs, each in its own subprocess (so one that fails
 or runs out of memory leaves the others standing, and peak memory is per framework):
 
-  * flashdraft   `flashdraft.step.draft_loss` + clip + fused AdamW (what `flashdraft train`
+  * flashdraft   `flashdraft.train.step.draft_loss` + clip + fused AdamW (what `flashdraft train`
                  runs per row), plus the target-side label argmax over the anchor blocks;
   * speculators  0.9.0 (vLLM project): `DFlashDraftModel` called as its `Trainer` calls it
                  (autocast, zero_grad, backward, clip 1.0, `build_optimizers` -> AdamW);

@@ -47,20 +47,20 @@ def run_once(
 ) -> dict[str, float]:
     from flashdraft.assets import qwen3_tokenizer_dir
     from flashdraft.data.prepare import PrepareConfig, prepare
+    from flashdraft.data.template import TemplateOptions
 
     config = PrepareConfig(
         inputs=[str(source)],
         tokenizer=str(qwen3_tokenizer_dir()),
         output=str(output),
-        thinking=args.thinking,
-        turns=args.turns,
+        template=TemplateOptions(thinking=args.thinking, turns=args.turns),
         workers=workers,
         shard_size=args.shard_size,
         preview=0,
         progress=False,
     )
     cpu = _cpu_seconds()
-    result = prepare(config, log=lambda _: None)
+    result = prepare(config)
     cpu = _cpu_seconds() - cpu
     counts = result.manifest["counts"]
     if not result.ok:
@@ -109,8 +109,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--copies", type=int, default=1, help="repeat the 4,017 chats N times")
     parser.add_argument("--shard-size", type=int, default=256)
-    parser.add_argument("--thinking", default="keep")
-    parser.add_argument("--turns", default="all")
+    parser.add_argument("--thinking", choices=("keep", "strip", "off"), default="keep")
+    parser.add_argument("--turns", choices=("all", "last"), default="all")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="flashdraft-bench-"))

@@ -25,10 +25,14 @@ import numpy as np
 import torch
 
 from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
+from flashdraft.log import get_logger
 from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
-from flashdraft.train.trainer import Trainer, plan_run
+from flashdraft.train.plan import plan_run
+from flashdraft.train.trainer import Trainer
+
+log = get_logger("bench.trainer")
 
 
 class SyntheticDataset:
@@ -173,9 +177,9 @@ def main() -> int:
             / by[("full online step", rows[0])]["s"],
             3,
         )
-    print(f"measured matmul peak: {peak / 1e12:.0f} TFLOP/s on {device}")
+    log.info(f"measured matmul peak: {peak / 1e12:.0f} TFLOP/s on {device}")
     print_table(results, COLUMNS)
-    print("  ".join(f"{k}={v}" for k, v in summary.items()))
+    log.info("  ".join(f"{k}={v}" for k, v in summary.items()))
     for r in results:
         r.pop("s")
     print_json(

@@ -4,11 +4,15 @@ CUDA work is timed with device events around each call (after warm-up, so compil
 autotuning stay out), and the median is reported; peak memory comes from the caching
 allocator. MFU is always against a peak measured in the same session (`matmul_peak`), not a
 datasheet number.
+
+A benchmark prints a human table (`print_table`, through the log) and then one final line of
+JSON (`print_json`, straight to standard output: the machine-readable result).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -18,6 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from flashdraft.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -78,8 +86,6 @@ def matmul_peak(device: torch.device, n: int = 8192, iters: int = 10) -> float:
 
 def environment() -> dict[str, Any]:
     """Versions and hardware for the benchmark record."""
-    import os
-
     commit = os.environ.get("FLASHDRAFT_COMMIT", "")
     try:
         commit = (
@@ -90,7 +96,7 @@ def environment() -> dict[str, Any]:
         )
     except OSError:
         commit = ""
-    import transformers
+    import transformers  # heavy: only the benchmark record needs its version
 
     info: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -109,13 +115,23 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """`rows` as left-aligned columns under a header line (a missing value is blank)."""
+    widths = {c: max([len(c), *(len(str(r.get(c, ""))) for r in rows)]) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns) for row in rows]
+    return "\n".join(lines)
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
-    print("  ".join(c.ljust(widths[c]) for c in columns))
-    for row in rows:
-        print("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+    """The human-readable result table of a benchmark, through the log (stdout)."""
+    log.info(format_table(rows, columns))
 
 
 def print_json(result: dict[str, Any]) -> None:
-    """The machine-readable last line of every benchmark."""
-    print(json.dumps(result, sort_keys=True))
+    """The machine-readable last line of every benchmark.
+
+    Printed, not logged: it is the benchmark's output, parsed by scripts, so neither a rank
+    tag nor the log level may change it.
+    """
+    print(json.dumps(result, sort_keys=True), flush=True)

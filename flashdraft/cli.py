@@ -3,6 +3,11 @@
 Each subcommand lives in its own module, which defines `add_arguments(parser)` and
 `run(args) -> int`. The module is imported only when its command runs, so `flashdraft audit`
 does not pay for importing the training stack.
+
+A user mistake (`USER_ERRORS`) is one line on standard error, `flashdraft NAME: error: ...`,
+and exit status 2; a run that fails on its own terms (`RUN_FAILURES`: a non-finite training
+loss, reported with its step) is one such line and exit status 1. Anything else is a bug and
+keeps its traceback. `FLASHDRAFT_DEBUG=1` re-raises every error, traceback included.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import os
 import sys
 
 from flashdraft import __version__
+from flashdraft.log import get_logger
+
+log = get_logger(__name__)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,8 +49,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("flashdraft.commands.demo", "the whole pipeline on SmolLM2-135M, end to end"),
 }
 
-# User mistakes surface as these; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+# User mistakes surface as these (exit 2); anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, FileExistsError)
+# A run that stopped itself (exit 1): the trainer's non-finite loss at step N.
+RUN_FAILURES: tuple[type[Exception], ...] = (FloatingPointError,)
 
 
 def _usage() -> str:
@@ -56,14 +66,14 @@ def _usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        log.info(_usage())
         return 0
     if argv[0] == "--version":
-        print(__version__)
+        log.info(__version__)
         return 0
     name = argv[0]
     if name not in COMMANDS:
-        print(f"flashdraft: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        log.error(f"flashdraft: unknown command {name!r}\n\n{_usage()}")
         return 2
     module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
@@ -72,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
-    except USER_ERRORS as err:
+    except (*USER_ERRORS, *RUN_FAILURES) as err:
         if os.environ.get("FLASHDRAFT_DEBUG"):
             raise
-        print(f"flashdraft {name}: error: {err}", file=sys.stderr)
-        return 2
+        log.error(f"flashdraft {name}: error: {err}")
+        return 1 if isinstance(err, RUN_FAILURES) else 2
 
 
 if __name__ == "__main__":

@@ -10,77 +10,87 @@ target. Prompts come from `chitchat-dataset` (real multi-turn chats) and `human-
   5. eval       the trained drafter, same prompts
   6. export     serving format (done by train; checked by reloading)
 
-It ends with a table (tau before/after, per-position acceptance, lossless, time per stage), a
-PNG plot, and where everything was written. The defaults finish in well under 15 minutes on
-2 CPU cores; on a GPU the same command runs a larger configuration.
+Every stage calls the library function its command calls; the training settings are the
+`smollm2_demo` preset, and the untrained drafter is the trainer's own initial drafter
+(`plan.initial_drafter`). A finished stage is reused when the demo runs again into the same
+output. It ends with a table (tau before/after, per-position acceptance, lossless, time per
+stage), a PNG plot, and where everything was written. The defaults finish in well under 15
+minutes on 2 CPU cores; on a GPU the same command runs a larger configuration.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shutil
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from flashdraft import assets, cli, storage
+from flashdraft import assets, storage
+from flashdraft import config as cfg
+from flashdraft.config import option
+from flashdraft.data.audit import AuditConfig, audit
+from flashdraft.data.generate import GenerateConfig, generate
+from flashdraft.data.inference import Sampling
+from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
+from flashdraft.eval.report import format_summary, write_report
+from flashdraft.export import load_dflash, save_dflash, verify_export
+from flashdraft.log import get_logger
+from flashdraft.train.checkpoint import load_drafter
+from flashdraft.train.config import RunConfig
+from flashdraft.train.plan import build_drafter_config, initial_drafter, load_target_config
+from flashdraft.train.presets import smollm2_demo
+from flashdraft.train.trainer import train
+
+log = get_logger(__name__)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--output", default="./demo-run", help="directory for everything (default ./demo-run)"
-    )
-    parser.add_argument(
-        "--samples", type=int, default=None, help="prompts to regenerate for training"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=None, help="training steps (default: the epochs' worth)"
-    )
-    parser.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per eval")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="per generated answer")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--fresh",
-        action="store_true",
-        help="delete --output first (default: reuse finished stages)",
-    )
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """The options of `flashdraft demo` (None: the size for this device, `DemoSizes`)."""
+
+    output: str = option("./demo-run", help="directory for everything")
+    samples: int | None = option(None, ge=1, help="prompts to regenerate for training")
+    steps: int | None = option(None, ge=1, help="training steps (default: the epochs' worth)")
+    eval_prompts: int | None = option(None, ge=1, help="held-out prompts per eval")
+    max_new_tokens: int | None = option(None, ge=1, help="per generated answer")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", help="where the models run")
+    fresh: bool = option(False, help="delete --output first (default: reuse finished stages)")
+
+    def __post_init__(self) -> None:
+        cfg.validate(self)
 
 
-def _sizes(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
-    """Defaults per device: a laptop-class CPU run, or a larger one on a GPU."""
-    base: dict[str, Any] = (
-        {
-            "samples": 3000,
-            "eval_prompts": 16,
-            "max_new_tokens": 128,
-            "layers": 3,
-            "epochs": 3,
-            "row_tokens": 8192,
-            "anchors": 512,
-            "lr": 1e-3,
-            "gen_batch": 256,
-        }
-        if cuda
-        else {
-            "samples": 128,
-            "eval_prompts": 6,
-            "max_new_tokens": 64,
-            "layers": 2,
-            "epochs": 4,
-            "row_tokens": 1024,
-            "anchors": 48,
-            "lr": 1e-3,
-            "gen_batch": 32,
-        }
-    )
-    for key in ("samples", "eval_prompts", "max_new_tokens"):
-        if getattr(args, key) is not None:
-            base[key] = getattr(args, key)
-    base["steps"] = args.steps
-    return base
+@dataclass(frozen=True, slots=True)
+class DemoSizes:
+    """The data side of the demo per device: a laptop-class CPU run or a larger GPU one (the
+    training side is the `smollm2_demo` preset)."""
+
+    samples: int
+    eval_prompts: int
+    max_new_tokens: int
+    gen_batch: int
+
+    @classmethod
+    def for_device(cls, cuda: bool, config: DemoConfig) -> DemoSizes:
+        base = cls(3000, 16, 128, 256) if cuda else cls(128, 6, 64, 32)
+        return cls(
+            samples=config.samples or base.samples,
+            eval_prompts=config.eval_prompts or base.eval_prompts,
+            max_new_tokens=config.max_new_tokens or base.max_new_tokens,
+            gen_batch=base.gen_batch,
+        )
+
+
+# ---- prompts ----
 
 
 def _chat_prompts() -> list[dict]:
@@ -98,15 +108,15 @@ def _chat_prompts() -> list[dict]:
     return prompts
 
 
-def _prompt_sets(samples: int, eval_prompts: int) -> tuple[list[dict], list[dict]]:
+def prompt_sets(samples: int, eval_prompts: int) -> tuple[list[dict], list[dict]]:
     """Training and held-out prompts: two thirds chat, one third code; disjoint."""
     chats = _chat_prompts()
     code = assets.humaneval_prompts()
     held_chat, held_code = eval_prompts - eval_prompts // 2, eval_prompts // 2
     eval_set = chats[:held_chat] + code[:held_code]
     n_code = min(samples // 3, len(code) - held_code)
-    train = chats[held_chat : held_chat + samples - n_code] + code[held_code : held_code + n_code]
-    return train, eval_set
+    train_set = chats[held_chat : held_chat + samples - n_code]
+    return train_set + code[held_code : held_code + n_code], eval_set
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
@@ -116,135 +126,143 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def _run(*argv: str) -> None:
-    code = cli.main(list(argv))
-    if code != 0:
-        raise RuntimeError(f"`flashdraft {' '.join(argv[:1])}` failed with exit status {code}")
+# ---- stages ----
 
 
-def run(args: argparse.Namespace) -> int:
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+class Stages:
+    """Times each stage and announces it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        log.info(f"\n== {name} ==")
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+
+def make_data(out: Path, target: str, sizes: DemoSizes, device: str, stage: Stages) -> Path:
+    """Stages 1-2: on-policy answers by the target, prepared and audited; returns the
+    prepared dataset's directory."""
+    train_prompts, eval_prompts = prompt_sets(sizes.samples, sizes.eval_prompts)
+    _write_jsonl(out / "prompts" / "train.jsonl", train_prompts)
+    _write_jsonl(out / "prompts" / "held_out.jsonl", eval_prompts)
+    generated, data = out / "generated.jsonl", out / "data"
+    with stage("generate"):
+        generate(
+            GenerateConfig(
+                target=target,
+                prompts=[str(out / "prompts" / "train.jsonl")],
+                output=str(generated),
+                sampling=Sampling(temperature=0.0, max_new_tokens=sizes.max_new_tokens),
+                batch_size=sizes.gen_batch,
+                device=device,
+                keep_truncated=True,
+            )
+        )
+    with stage("prepare"):
+        result = prepare(
+            PrepareConfig(
+                inputs=[str(generated)],
+                tokenizer=target,
+                output=str(data),
+                workers=1,
+                max_reject_rate=0.05,
+                progress=sys.stderr.isatty(),
+            )
+        )
+        counts = result.manifest["counts"]
+        log.info(
+            f"{counts['records']:,} records -> {counts['samples']:,} samples "
+            f"({counts['rejected']:,} rejected, {counts['truncated']:,} truncated)"
+        )
+        if not result.ok:
+            problems = "; ".join(result.manifest["problems"])
+            raise RuntimeError(f"prepare: {data} must not be trained on: {problems}")
+        report, text = audit(AuditConfig(datasets=[str(data)]))
+        log.info(text)
+        if report.problems:
+            raise RuntimeError(f"audit: {data}: " + "; ".join(report.problems))
+    return data
+
+
+def save_untrained(run: RunConfig, path: Path) -> None:
+    """The drafter the run starts from (the trainer's own builder), as a serving export:
+    evaluated as served, exactly like the trained one."""
+    drafter_config, _ = build_drafter_config(run, load_target_config(run.target.path))
+    save_dflash(initial_drafter(run, drafter_config), str(path))
+
+
+class Evaluator:
+    """Both evals on the same held-out prompts, with the target loaded once, when first
+    needed (a resumed demo whose reports are all done never loads it)."""
+
+    def __init__(self, target: str, prompts: Path, max_new_tokens: int, device: str) -> None:
+        self.target, self.prompts = target, str(prompts)
+        self.max_new_tokens, self.device = max_new_tokens, device
+        self._loaded: tuple[Any, Any] | None = None
+
+    def __call__(self, drafter: Path, report: Path) -> None:
+        # A report from before the near-tie accounting (or a partial one) is evaluated again.
+        if report.exists() and "lossless_up_to_ties" in storage.read_json(str(report)):
+            return
+        config = EvalConfig(
+            target=self.target,
+            drafter=str(drafter),
+            prompts=self.prompts,
+            output=str(report),
+            max_new_tokens=self.max_new_tokens,
+            device=self.device,
+        )
+        if self._loaded is None:
+            self._loaded = load_eval_target(config)
+        model, tokenizer = self._loaded
+        result = run_eval(config, model, tokenizer, load_drafter(str(drafter)))
+        plot = write_report(result, str(report))
+        log.info(f"{format_summary(result)}\nreport: {report}\nplot:   {plot}")
+
+
+def run_demo(config: DemoConfig) -> int:
+    """The whole demo; 0, or 1 when an output differs from the target's greedy decoding
+    beyond a near-tie of its logits (a bug: never passes silently)."""
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     device = "cuda" if cuda else "cpu"
     if not cuda:
         torch.set_num_threads(os.cpu_count() or 1)
-    size = _sizes(args, cuda)
-    out = Path(args.output).resolve()
-    if args.fresh and out.exists():
-        import shutil
-
+    sizes = DemoSizes.for_device(cuda, config)
+    out = Path(config.output).resolve()
+    if config.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
-
-    def stage(name: str) -> Any:
-        class _Timer:
-            def __enter__(self) -> None:
-                print(f"\n== {name} ==", flush=True)
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc: object) -> None:
-                times[name] = time.perf_counter() - self.start
-
-        return _Timer()
+    stage = Stages()
 
     with stage("target"):
         target = str(assets.smollm2_path())
-        print(f"SmolLM2-135M-Instruct at {target}")
-    train_prompts, eval_prompts = _prompt_sets(size["samples"], size["eval_prompts"])
-    _write_jsonl(out / "prompts" / "train.jsonl", train_prompts)
-    _write_jsonl(out / "prompts" / "held_out.jsonl", eval_prompts)
-
-    generated = out / "generated.jsonl"
-    with stage("generate"):
-        _run(
-            "generate",
-            "--target",
-            target,
-            "--prompts",
-            str(out / "prompts" / "train.jsonl"),
-            "--output",
-            str(generated),
-            "--max-new-tokens",
-            str(size["max_new_tokens"]),
-            "--batch-size",
-            str(size["gen_batch"]),
-            "--temperature",
-            "0",
-            "--device",
-            device,
-            "--keep-truncated",
-        )
-    data = out / "data"
-    with stage("prepare"):
-        _run(
-            "prepare",
-            str(generated),
-            "--tokenizer",
-            target,
-            "--output",
-            str(data),
-            "--workers",
-            "1",
-            "--max-reject-rate",
-            "0.05",
-        )
-        _run("audit", str(data))
-
-    run_dir = out / "run"
-    untrained = out / "untrained"
+        log.info(f"SmolLM2-135M-Instruct at {target}")
+    data = make_data(out, target, sizes, device, stage)
+    run_dir, untrained, export = out / "run", out / "untrained", out / "run" / "export"
+    run = smollm2_demo(
+        target=target, data=str(data), output=str(run_dir), device=device, steps=config.steps
+    )
     if not (untrained / "config.json").exists():
-        _save_untrained(target, size, untrained)
-    common = [
-        "--target",
-        target,
-        "--prompts",
-        str(out / "prompts" / "held_out.jsonl"),
-        "--max-new-tokens",
-        str(size["max_new_tokens"]),
-        "--device",
-        device,
-    ]
-
-    def evaluate(drafter: Path, report: Path) -> None:
-        # A report from before the near-tie accounting (or a partial one) is evaluated again.
-        if not report.exists() or "lossless_up_to_ties" not in storage.read_json(str(report)):
-            _run("eval", "--drafter", str(drafter), "--output", str(report), *common)
-
+        save_untrained(run, untrained)
+    evaluate = Evaluator(target, out / "prompts" / "held_out.jsonl", sizes.max_new_tokens, device)
     with stage("eval untrained"):
         evaluate(untrained, out / "eval_untrained.json")
     with stage("train"):
-        settings = {
-            "output": str(run_dir),
-            "target.path": target,
-            "data.datasets": [str(data)],
-            "data.row_tokens": size["row_tokens"],
-            "drafter.num_layers": size["layers"],
-            "loss.anchors": size["anchors"],
-            "optim.lr": size["lr"],
-            "optim.epochs": size["epochs"],
-            "optim.warmup_steps": 10,
-            "log.every": 10,
-            "checkpoint.every": 100,
-            "device": device,
-            "eval.every": 0,
-        }
-        if size["steps"] is not None:
-            settings["optim.max_steps"] = size["steps"]
-        overrides = [arg for k, v in settings.items() for arg in ("--set", f"{k}={json.dumps(v)}")]
-        resume = ["--resume"] if (run_dir / "checkpoints").exists() else []
-        if not (run_dir / "export" / "config.json").exists():
-            _run("train", *overrides, *resume)
+        if not (export / "config.json").exists():
+            train(run, resume=(run_dir / "checkpoints").exists())
             (out / "eval_trained.json").unlink(missing_ok=True)  # a new drafter: evaluate again
     with stage("eval trained"):
-        evaluate(run_dir / "export", out / "eval_trained.json")
+        evaluate(export, out / "eval_trained.json")
     with stage("export"):
-        from flashdraft.export import load_dflash, verify_export
-
-        verify_export(load_dflash(str(run_dir / "export"), torch.float32), str(run_dir / "export"))
-    reports = _summary(out, times)
+        verify_export(load_dflash(str(export), torch.float32), str(export))
+    reports = summarise(out, stage.seconds)
     unexplained = sum(r["unexplained_mismatch_prompts"] for r in reports)
-    if unexplained:  # the loop emitted something the target would not: never pass silently
-        print(
+    if unexplained:
+        log.error(
             f"flashdraft demo: FAILED: {unexplained} output(s) differ from the target's greedy "
             "decoding beyond a near-tie of its logits (see `mismatch` in the eval reports; "
             "please report a bug)"
@@ -253,28 +271,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _save_untrained(target: str, size: dict[str, Any], path: Path) -> None:
-    """The drafter the trainer starts from (same seed), as a serving export."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from flashdraft.export import save_dflash
-    from flashdraft.model.config import DrafterConfig, choose_mask_token_id
-    from flashdraft.model.drafter import init_seeded
-
-    config = AutoConfig.from_pretrained(target)
-    mask_id, _ = choose_mask_token_id(config, AutoTokenizer.from_pretrained(target))
-    drafter_config = DrafterConfig.from_target_config(
-        config, mask_token_id=mask_id, num_layers=size["layers"]
-    )
-    save_dflash(init_seeded(drafter_config, seed=0), str(path))
+# ---- the results ----
 
 
-def _summary(out: Path, times: dict[str, float]) -> tuple[dict, dict]:
-    """Prints the results table and writes summary.json; returns the two eval reports."""
-    before = storage.read_json(str(out / "eval_untrained.json"))
-    after = storage.read_json(str(out / "eval_trained.json"))
-    plot = out / "acceptance.png"
-    _plot(before, after, plot)
+def _table(before: dict, after: dict) -> str:
     positions = max(len(before["per_position_acceptance"]), len(after["per_position_acceptance"]))
     shown = min(positions, 8)
 
@@ -285,20 +285,32 @@ def _summary(out: Path, times: dict[str, float]) -> tuple[dict, dict]:
         lossless += f" +{ties} ties" if ties else ""
         return f"  {name:<10} {report['tau']:>6.3f}   {lossless:>14}   {acc}"
 
-    print("\n== flashdraft demo: results ==")
-    print(
-        f"  {'drafter':<10} {'tau':>6}   {'lossless':>14}   acceptance at draft position 1..{shown}"
-    )
-    print(row("untrained", before))
-    print(row("trained", after))
+    lines = [
+        "\n== flashdraft demo: results ==",
+        f"  {'drafter':<10} {'tau':>6}   {'lossless':>14}   acceptance at draft position 1..{shown}",
+        row("untrained", before),
+        row("trained", after),
+    ]
     if any(r["near_tie_prompts"] for r in (before, after)):
-        print(
+        lines.append(
             "  (ties: outputs that leave the target's greedy decoding only where its logits are "
             "within rounding of a tie; see `mismatch` in the reports)"
         )
-    print("\n  time per stage: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
-    print(f"  total {sum(times.values()):.0f}s")
-    print(
+    return "\n".join(lines)
+
+
+def summarise(out: Path, times: dict[str, float]) -> tuple[dict, dict]:
+    """Logs the results table, writes summary.json and the plot; returns the two reports."""
+    before = storage.read_json(str(out / "eval_untrained.json"))
+    after = storage.read_json(str(out / "eval_trained.json"))
+    _plot(before, after, out / "acceptance.png")
+    log.info(_table(before, after))
+    log.info(
+        "\n  time per stage: "
+        + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
+        + f"\n  total {sum(times.values()):.0f}s"
+    )
+    log.info(
         f"\n  written to {out}:\n"
         f"    generated.jsonl     on-policy answers by the target\n"
         f"    data/               prepared dataset (manifest.json, rejects.jsonl)\n"

@@ -1,4 +1,4 @@
-"""Export formats (SPEC section 6) and `flashdraft export`.
+"""Export formats (SPEC section 6): writing, loading and checking serving-format drafters.
 
     flashdraft export CHECKPOINT --output DIR [--format dflash|speculators] [--verifier PATH]
 
@@ -10,25 +10,31 @@
 * `speculators`: vLLM's `speculators` layout (see `to_speculators_config` for every field).
   Same weights file; a config that wraps the Qwen3 layer config and names the verifier.
 
-Loading accepts both, including drafters published by z-lab, for warm starts and for
-`flashdraft eval`. Every export is reloaded and checked to give identical weights and outputs
-(`verify_export`) before it is reported as written.
+This module owns loading exports (`load_exported`, `load_dflash`), in both formats and
+including drafters published by z-lab, for warm starts and for `flashdraft eval`. Every
+export is reloaded and checked to give identical weights and outputs (`verify_export`) before
+it is reported as written (`save_export`). `ExportConfig` holds the options of the command.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from flashdraft import config as cfg
 from flashdraft import storage
+from flashdraft.config import option
 from flashdraft.model.config import DrafterConfig, default_target_layer_ids
 from flashdraft.model.drafter import DFlashDrafter, DraftCache
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
-FORMATS = ("dflash", "speculators")
+ExportFormat = Literal["dflash", "speculators"]
+FORMATS: tuple[str, ...] = typing.get_args(ExportFormat)
 # Written as `speculators_version`; the first release with the DFlash algorithm (its docs
 # ask for speculators>=0.5.0). vLLM does not read the field.
 SPECULATORS_VERSION = "0.5.0"
@@ -41,6 +47,32 @@ _NOT_LAYER_CONFIG = (
     "dflash_config",
     "num_target_layers",
 )
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    """The options of `flashdraft export`."""
+
+    checkpoint: str = option(
+        positional=True,
+        help="training checkpoint, run directory (latest checkpoint) or export",
+    )
+    output: str = option(help="directory to write (local or fsspec URL)")
+    format: ExportFormat = option(
+        "dflash", help="dflash: vLLM, SGLang, z-lab's dflash; speculators: vLLM's speculators"
+    )
+    verifier: str | None = option(
+        None,
+        help="the target's HF id or path, written into the speculators config (required there: "
+        "vLLM serves the verifier it names)",
+    )
+
+    def __post_init__(self) -> None:
+        cfg.validate(self)
+        if self.format == "speculators" and not self.verifier:
+            raise cfg.ConfigError(
+                "verifier", self.verifier, "the speculators format needs the target's HF id or path"
+            )
 
 
 def to_serving_config(config: DrafterConfig) -> dict[str, Any]:
@@ -412,3 +444,17 @@ def verify_export(drafter: DFlashDrafter, url: str, seed: int = 0) -> None:
         outputs.append(model.draft_block(cache, embeds.to(torch.bfloat16), ctx_len))
     if not torch.equal(outputs[0], outputs[1]):
         raise ValueError("export check failed: reloaded drafter gives different outputs")
+
+
+def save_export(
+    drafter: DFlashDrafter, url: str, format: ExportFormat = "dflash", verifier: str | None = None
+) -> None:
+    """Write `drafter` to `url` in `format` and check the reload (`verify_export`).
+    The speculators format needs the `verifier` (the target's HF id or path)."""
+    if format == "dflash":
+        save_dflash(drafter, url)
+    elif verifier:
+        save_speculators(drafter, url, verifier)
+    else:
+        raise ValueError("the speculators format needs a verifier (the target's HF id or path)")
+    verify_export(drafter, url)

@@ -58,3 +58,19 @@ def smol_data(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
     from helpers import prepare_chitchat
 
     return prepare_chitchat(tmp_path_factory.mktemp("data") / "smol", smollm2_dir, 80)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir: Path) -> object:
+    """The real Qwen3 tokenizer with its chat template, as `prepare` loads it."""
+    from flashdraft.data.template import load_tokenizer
+
+    return load_tokenizer(qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir: Path) -> object:
+    """SmolLM2-135M-Instruct's tokenizer with its chat template, as `prepare` loads it."""
+    from flashdraft.data.template import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)

@@ -148,3 +148,34 @@ def drafter_config_for(target: nn.Module, **overrides: object) -> DrafterConfig:
     )
     base.update(overrides)
     return DrafterConfig(**base)  # type: ignore[arg-type]
+
+
+def config_flags(cls: type) -> dict[str, str]:
+    """Field name -> its command-line flag, for every leaf field of a typed command config
+    (nested configs flattened; `--no-x` for booleans that default to true; positional
+    fields by name)."""
+    import dataclasses
+    import typing
+
+    flags: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            flags.update(config_flags(hints[f.name]))
+        elif f.metadata.get("positional"):
+            flags[f.name] = f.name
+        else:
+            negated = "--no-" if f.default is True else "--"
+            flags[f.name] = f.metadata.get("flag") or negated + f.name.replace("_", "-")
+    return flags
+
+
+def parse_command(module: object, cls: type, *argv: str) -> object:
+    """The typed config of a subcommand from its command line (`module.add_arguments`)."""
+    import argparse
+
+    from flashdraft import config as cfg
+
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return cfg.from_args(cls, parser.parse_args(list(argv)))

@@ -72,7 +72,7 @@ def test_build_prefixes_section_keys_and_refuses_unknown_or_missing_keys() -> No
 def test_overrides_are_parsed_as_toml_values() -> None:
     data = cfg.apply_overrides({"a": {"b": 1}}, ["a.b=2", "a.c=[1, 2]", "d=true", "e=hello"])
     assert data == {"a": {"b": 2, "c": [1, 2]}, "d": True, "e": "hello"}
-    with pytest.raises(ValueError, match="expected dotted.key=value"):
+    with pytest.raises(ValueError, match=r"expected dotted\.key=value"):
         cfg.apply_overrides({}, ["novalue"])
     with pytest.raises(ValueError, match="a is not a table"):
         cfg.apply_overrides({"a": 1}, ["a.b=2"])

@@ -46,4 +46,4 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys) -> None:
     (out / "eval_trained.json").write_text(json.dumps(report))
     capsys.readouterr()
     assert cli.main(["demo", *args]) == 1
-    assert "FAILED: 1 output(s) differ" in capsys.readouterr().out
+    assert "FAILED: 1 output(s) differ" in capsys.readouterr().err

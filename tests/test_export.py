@@ -5,8 +5,9 @@ import torch
 from helpers import tiny_config, tiny_drafter
 from safetensors.torch import load_file, save_file
 
-from flashdraft import cli
 from flashdraft.export import (
+    FORMATS,
+    ExportConfig,
     check_speculators_config,
     export_format,
     from_serving_config,
@@ -14,13 +15,13 @@ from flashdraft.export import (
     load_dflash,
     load_exported,
     save_dflash,
+    save_export,
     save_speculators,
     to_serving_config,
     to_speculators_config,
     verify_export,
 )
 from flashdraft.model.drafter import DraftCache
-from flashdraft.train.checkpoint import save_drafter, step_dir
 
 # Fields an engine reads from a DFlash config.json (SPEC section 6, trap 9).
 REQUIRED_FIELDS = {
@@ -182,23 +183,23 @@ def test_speculators_config_of_another_trainer() -> None:
         from_speculators_config(broken)
 
 
-def test_export_cli_from_a_run_directory_in_both_formats(tmp_path, capsys) -> None:
+def test_export_config() -> None:
+    config = ExportConfig(checkpoint="run", output="out")
+    assert config.format == "dflash" and config.verifier is None
+    assert FORMATS == ("dflash", "speculators")
+    with pytest.raises(ValueError, match=r"^verifier = None is not allowed: the speculators"):
+        ExportConfig(checkpoint="run", output="out", format="speculators")
+    with pytest.raises(ValueError, match=r"^format = 'onnx'"):
+        ExportConfig(checkpoint="run", output="out", format="onnx")  # type: ignore[arg-type]
+    ExportConfig(checkpoint="run", output="out", format="speculators", verifier="Qwen/Qwen3-8B")
+
+
+def test_save_export_writes_either_format_and_checks_the_reload(tmp_path) -> None:
     drafter = tiny_drafter()
-    for step in (100, 200):
-        ckpt = step_dir(str(tmp_path / "run"), step)
-        save_drafter(ckpt, drafter if step == 200 else tiny_drafter(seed=5))
-        (tmp_path / ckpt / "COMPLETE").write_text("")
-    run = str(tmp_path / "run")
-    assert cli.main(["export", run, "--output", str(tmp_path / "dflash")]) == 0
-    assert "reload check passed" in capsys.readouterr().out
+    save_export(drafter, str(tmp_path / "dflash"))
     assert export_format(str(tmp_path / "dflash")) == "dflash"
-    assert torch.equal(
-        load_exported(str(tmp_path / "dflash")).fc.weight, drafter.fc.weight.to(torch.bfloat16)
-    )
-    argv = ["export", run, "--output", str(tmp_path / "spec"), "--format", "speculators"]
-    assert cli.main(argv) == 2
-    assert "--verifier" in capsys.readouterr().err
-    assert cli.main([*argv, "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 0
-    data = json.loads((tmp_path / "spec" / "config.json").read_text())
-    assert data["speculators_config"]["verifier"]["name_or_path"].endswith("SmolLM2-135M-Instruct")
-    verify_export(drafter, str(tmp_path / "spec"))
+    save_export(drafter, str(tmp_path / "spec"), "speculators", verifier="Qwen/Qwen3-8B")
+    assert export_format(str(tmp_path / "spec")) == "speculators"
+    with pytest.raises(ValueError, match="needs a verifier"):
+        save_export(drafter, str(tmp_path / "none"), "speculators")
+    assert not (tmp_path / "none").exists()

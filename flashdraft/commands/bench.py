@@ -3,37 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
 
-from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
-from flashdraft.train.bench import COLUMNS, summarise, time_trainer
-from flashdraft.train.config import load_run_config
-from flashdraft.train.trainer import Trainer, plan_run
+from flashdraft import config as cfg
+from flashdraft.benchutil import environment, print_json, print_table
+from flashdraft.commands.train import add_set_flag
+from flashdraft.log import get_logger
+from flashdraft.train.bench import COLUMNS, BenchConfig, bench_run
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="run config (TOML or JSON), as for `flashdraft train`")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    cfg.add_arguments(parser, BenchConfig)
+    add_set_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashdraft.train.parallel import init_distributed
-
-    overrides = [*args.set, f"output={tempfile.mkdtemp(prefix='flashdraft-bench-')}"]
-    config = load_run_config(args.config, overrides)
-    info = init_distributed(config.device)
-    if info.distributed:
-        raise ValueError("run `flashdraft bench` as one process (it measures one device)")
-    trainer = Trainer(plan_run(config, info, resume=False))
-    peak = matmul_peak(trainer.device)
-    results = time_trainer(trainer, parts=True, warmup=args.warmup, iters=args.iters)
-    summary = summarise(results, peak)
-    print(f"measured matmul peak: {peak / 1e12:.1f} TFLOP/s on {trainer.device}")
-    print_table(results, COLUMNS)
-    print("  ".join(f"{k}={v}" for k, v in summary.items()))
-    for r in results:
+    config: BenchConfig = cfg.from_args(BenchConfig, args)
+    out = bench_run(config)
+    log.info(f"measured matmul peak: {out.peak / 1e12:.1f} TFLOP/s on {out.device}")
+    print_table(out.results, COLUMNS)
+    log.info("  ".join(f"{k}={v}" for k, v in out.summary.items()))
+    for r in out.results:
         r.pop("s")
-    print_json({"bench": "run", **summary, "results": results, **environment()})
+    print_json({"bench": "run", **out.summary, "results": out.results, **environment()})
     return 0

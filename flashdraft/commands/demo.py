@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from flashdraft import demo
+from flashdraft import config as cfg
+from flashdraft.demo import DemoConfig, run_demo
 
-add_arguments = demo.add_arguments
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfg.add_arguments(parser, DemoConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    return demo.run(args)
+    return run_demo(cfg.from_args(DemoConfig, args))

@@ -4,38 +4,26 @@ from __future__ import annotations
 
 import argparse
 
-from flashdraft.export import FORMATS, save_dflash, save_speculators, verify_export
+from flashdraft import config as cfg
+from flashdraft.export import ExportConfig, save_export
+from flashdraft.log import get_logger
+from flashdraft.train.checkpoint import load_drafter
+
+log = get_logger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "checkpoint", help="training checkpoint, run directory (latest checkpoint) or export"
-    )
-    parser.add_argument("--output", required=True, help="directory to write (local or fsspec URL)")
-    parser.add_argument("--format", default="dflash", choices=FORMATS)
-    parser.add_argument(
-        "--verifier",
-        default=None,
-        help="the target's HF id or path, written into the speculators config (required there: "
-        "vLLM serves the verifier it names)",
-    )
+    cfg.add_arguments(parser, ExportConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashdraft.train.checkpoint import load_drafter
-
-    if args.format == "speculators" and not args.verifier:
-        raise ValueError("--format speculators needs --verifier (the target's HF id or path)")
-    drafter = load_drafter(args.checkpoint)
-    if args.format == "dflash":
-        save_dflash(drafter, args.output)
-    else:
-        save_speculators(drafter, args.output, args.verifier)
-    verify_export(drafter, args.output)
-    config = drafter.config
-    print(
-        f"wrote {args.format} drafter to {args.output}: {config.num_hidden_layers} layers, "
-        f"B={config.block_size}, taps {config.target_layer_ids} (z-lab ids), "
-        f"mask token {config.mask_token_id}; reload check passed (identical weights and outputs)"
+    config: ExportConfig = cfg.from_args(ExportConfig, args)
+    drafter = load_drafter(config.checkpoint)
+    save_export(drafter, config.output, config.format, config.verifier)
+    geometry = drafter.config
+    log.info(
+        f"wrote {config.format} drafter to {config.output}: {geometry.num_hidden_layers} layers, "
+        f"B={geometry.block_size}, taps {geometry.target_layer_ids} (z-lab ids), "
+        f"mask token {geometry.mask_token_id}; reload check passed (identical weights and outputs)"
     )
     return 0

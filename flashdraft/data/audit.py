@@ -1,7 +1,7 @@
 """Audit a prepared dataset: statistics, and the checks that refuse degenerate data.
 
 A drafter is only as good as its trained tokens, and broken data trains without error.
-The checks (SPEC trap 8), each with a threshold option:
+The checks (SPEC trap 8), each with a threshold option (`Thresholds`):
 
 * all-ones loss masks: the chat template marked no assistant turn, so prompts are trained;
 * empty responses: samples whose trained text is nothing but end-of-turn tokens,
@@ -13,85 +13,75 @@ The checks (SPEC trap 8), each with a threshold option:
 * heavy truncation at `--max-length` (from the manifest's counts).
 
 `flashdraft prepare` runs the same checks on what it wrote and fails unless
-`--allow-degenerate`; `flashdraft audit` exits 1 when any check fails.
+`--allow-degenerate`; `flashdraft audit` (`audit(AuditConfig)`) exits 1 when any check fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
-import itertools
-from dataclasses import asdict, dataclass, field, fields
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from flashdraft.data.dataset import PreparedDataset
+from flashdraft import config as cfg
+from flashdraft.config import option
+from flashdraft.data.dataset import PreparedDataset, open_datasets
+from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices, preview_json
+from flashdraft.data.template import load_tokenizer
 
 
 @dataclass(kw_only=True, slots=True)
 class Thresholds:
-    max_repeated_share: float = 0.10
-    min_median_loss_tokens: float = 8.0
-    max_empty_share: float = 0.01
-    max_all_ones_share: float = 0.0
-    max_truncated_share: float = 0.05
+    """The check thresholds, shared by `prepare` and `audit` (nested in both configs)."""
+
+    max_repeated_share: float = option(
+        0.10,
+        ge=0,
+        le=1,
+        help="largest share of samples whose trained text repeats another's, ignoring case, "
+        "whitespace and punctuation",
+    )
+    min_median_loss_tokens: float = option(
+        8.0, ge=0, help="smallest median number of trained tokens per sample"
+    )
+    max_empty_share: float = option(
+        0.01, ge=0, le=1, help="largest share of samples with an empty trained response"
+    )
+    max_all_ones_share: float = option(
+        0.0, ge=0, le=1, help="largest share of samples whose every token is trained"
+    )
+    max_truncated_share: float = option(
+        0.05, ge=0, le=1, help="largest share of samples truncated at --max-length"
+    )
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_repeated_share",
-            "max_empty_share",
-            "max_all_ones_share",
-            "max_truncated_share",
-        ):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} is a share in [0, 1], got {value}")
-        if self.min_median_loss_tokens < 0:
-            raise ValueError("--min-median-loss-tokens must be >= 0")
+        cfg.validate(self)
 
 
-def add_threshold_arguments(parser: argparse.ArgumentParser) -> None:
-    """The check thresholds, shared by `prepare` and `audit`."""
-    defaults = Thresholds()
-    group = parser.add_argument_group("degenerate-data checks")
-    group.add_argument(
-        "--max-repeated-share",
-        type=float,
-        default=defaults.max_repeated_share,
-        help="largest share of samples whose trained text repeats another's, ignoring case, "
-        "whitespace and punctuation (default %(default)s)",
-    )
-    group.add_argument(
-        "--min-median-loss-tokens",
-        type=float,
-        default=defaults.min_median_loss_tokens,
-        help="smallest median number of trained tokens per sample (default %(default)s)",
-    )
-    group.add_argument(
-        "--max-empty-share",
-        type=float,
-        default=defaults.max_empty_share,
-        help="largest share of samples with an empty trained response (default %(default)s)",
-    )
-    group.add_argument(
-        "--max-all-ones-share",
-        type=float,
-        default=defaults.max_all_ones_share,
-        help="largest share of samples whose every token is trained (default %(default)s)",
-    )
-    group.add_argument(
-        "--max-truncated-share",
-        type=float,
-        default=defaults.max_truncated_share,
-        help="largest share of samples truncated at --max-length (default %(default)s)",
-    )
+@dataclass(kw_only=True, slots=True)
+class AuditConfig:
+    """`flashdraft audit`: what to audit, how to report it, and the check thresholds."""
 
+    datasets: list[str] = option(
+        positional=True, metavar="DIR", help="prepared dataset(s), concatenated"
+    )
+    preview: int = option(
+        0, ge=0, metavar="N", help="show N samples with trained tokens highlighted"
+    )
+    json_output: bool = option(False, flag="--json", help="print one JSON report instead of text")
+    tokenizer: str | None = option(
+        None, help="tokenizer path (default: the one named in the manifest)"
+    )
+    preview_options: PreviewOptions = field(default_factory=PreviewOptions)
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
-def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
-    """The `add_threshold_arguments` options (one per Thresholds field, same names)."""
-    return Thresholds(**{f.name: getattr(args, f.name) for f in fields(Thresholds)})
+    def __post_init__(self) -> None:
+        cfg.validate(self)
+        if not self.datasets:
+            raise cfg.ConfigError("datasets", self.datasets, "name at least one dataset")
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -336,52 +326,39 @@ def format_report(audit: Audit) -> str:
     return "\n".join(lines)
 
 
-# -- preview ---------------------------------------------------------------------------------
-
-_GREEN, _RESET = "\x1b[1;32m", "\x1b[0m"
+# -- the command ---------------------------------------------------------------------------
 
 
-def preview_segments(
-    dataset: PreparedDataset, index: int, tokenizer: Any, max_tokens: int = 1024
-) -> tuple[int, list[tuple[str, bool]]]:
-    """(tokens left out at the start, [(text, trained), ...]) of one sample's last tokens."""
-    ids, mask = dataset.sample(index)
-    skipped = max(len(ids) - max_tokens, 0)
-    ids, mask = ids[skipped:], mask[skipped:]
-    cuts = [0, *(np.flatnonzero(np.diff(mask)) + 1).tolist(), len(ids)]
-    segments = [
-        (
-            str(tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)),
-            bool(mask[a]),
-        )
-        for a, b in itertools.pairwise(cuts)
-        if b > a
-    ]
-    return skipped, segments
+def load_audit_tokenizer(dataset: PreparedDataset, override: str | None) -> tuple[Any, str | None]:
+    """The dataset's tokenizer (from its manifest, or `override`) and a note if unavailable."""
+    manifest = dataset.manifest.get("parts", [dataset.manifest])[0]
+    name = override or manifest.get("tokenizer", {}).get("name")
+    if not name:
+        return None, "the manifest names no tokenizer (pass --tokenizer)"
+    try:
+        return load_tokenizer(name), None
+    except (OSError, ValueError) as err:
+        return None, f"cannot load the tokenizer {name!r} ({err}); pass --tokenizer"
 
 
-def preview_indices(dataset: PreparedDataset, count: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    count = min(count, len(dataset))
-    return sorted(rng.choice(len(dataset), size=count, replace=False).tolist())
-
-
-def format_preview(
-    dataset: PreparedDataset, indices: list[int], tokenizer: Any, *, color: bool
-) -> str:
-    if color:
-        legend = f"trained tokens in {_GREEN}green{_RESET}"
-        start, stop = _GREEN, _RESET
-    else:
-        legend = "trained tokens between [[ and ]]"
-        start, stop = "[[", "]]"
-    out = [f"preview of {len(indices)} sample(s); {legend}"]
-    for index in indices:
-        skipped, segments = preview_segments(dataset, index, tokenizer)
-        out.append(
-            f"--- sample {index}  {dataset.source(index)}  {int(dataset.num_tokens[index]):,} "
-            f"tokens, {int(dataset.num_loss_tokens[index]):,} trained ---"
-        )
-        text = "".join(start + t + stop if trained else t for t, trained in segments)
-        out.append((f"... ({skipped:,} earlier tokens not shown)\n" if skipped else "") + text)
-    return "\n".join(out)
+def audit(config: AuditConfig) -> tuple[Audit, str]:
+    """Audit the datasets of `config`: the statistics and checks, and what to show for them
+    (the report, a note when the tokenizer is unavailable, the preview), as text or, with
+    `json_output`, as one JSON document."""
+    dataset = open_datasets(config.datasets, require_complete=False)
+    tokenizer, note = load_audit_tokenizer(dataset, config.tokenizer)
+    report = audit_dataset(dataset, tokenizer, config.thresholds)
+    seed = config.preview_options.seed
+    indices = preview_indices(dataset, config.preview, seed) if config.preview > 0 else []
+    if config.json_output:
+        out = report.to_json()
+        out["note"] = note
+        if tokenizer is not None:
+            out["preview"] = preview_json(dataset, indices, tokenizer)
+        return report, json.dumps(out, indent=2)
+    lines = [f"note: {note}"] if note else []
+    lines.append(format_report(report))
+    if indices and tokenizer is not None:
+        colored = config.preview_options.colored()
+        lines.append(format_preview(dataset, indices, tokenizer, color=colored))
+    return report, "\n".join(lines)

@@ -79,6 +79,15 @@ def record_batch(samples: Sequence[tuple[np.ndarray, np.ndarray, str]]) -> pa.Re
     return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
 
 
+def token_counts(batch: pa.RecordBatch) -> dict[str, int]:
+    """Samples, tokens and trained tokens of a record batch, from its count columns."""
+    return {
+        "samples": batch.num_rows,
+        "tokens": int(batch.column("num_tokens").to_numpy().sum(dtype=np.int64)),
+        "loss_tokens": int(batch.column("num_loss_tokens").to_numpy().sum(dtype=np.int64)),
+    }
+
+
 def stream_bytes(batch: pa.RecordBatch) -> bytes:
     """One Arrow IPC stream holding `batch` (an empty batch gives a schema-only stream)."""
     sink = pa.BufferOutputStream()
@@ -129,17 +138,16 @@ def write_dataset(
     storage.makedirs(url)
     bounds = np.linspace(0, len(rows), shards + 1).astype(int)
     names, digests = [], []
+    counts = {"samples": 0, "tokens": 0, "loss_tokens": 0}
     for i in range(shards):
-        data = stream_bytes(record_batch(rows[bounds[i] : bounds[i + 1]]))
+        batch = record_batch(rows[bounds[i] : bounds[i + 1]])
+        for key, value in token_counts(batch).items():
+            counts[key] += value
+        data = stream_bytes(batch)
         names.append(data_file_name(i, shards))
         digests.append(hashlib.sha256(data).hexdigest())
         storage.write_bytes_atomic(storage.join(url, names[-1]), data)
     write_layout(url, names, fingerprint(digests))
-    counts = {
-        "samples": len(rows),
-        "tokens": int(sum(len(r[0]) for r in rows)),
-        "loss_tokens": int(sum(int(r[1].sum()) for r in rows)),
-    }
     record = {"format": FORMAT, "version": FORMAT_VERSION, "status": "complete", "counts": counts}
     storage.write_json_atomic(storage.join(url, MANIFEST), {**record, **(manifest or {})})
 

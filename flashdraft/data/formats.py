@@ -13,6 +13,8 @@ Accepted record shapes (one JSON object per line):
 A record may also carry `tools` (function schemas) for the chat template: `record_tools`.
 Empty reasoning (`""`, `<think>\n\n</think>`) is no reasoning: it is never trained.
 
+`parse_record` reads a conversation to train on (it has an assistant turn); `parse_prompt`
+reads one to answer, which may end in a user or tool turn (`flashdraft generate`, `eval`).
 `read_conversations` yields `(source, conversation_or_error)` for every line, so a bad line is
 counted and reported (file:line and reason), never fatal and never silently dropped.
 """
@@ -151,8 +153,12 @@ def _prompt_completion(record: dict[str, Any]) -> Conversation:
     return [*messages, answer]
 
 
-def validate(messages: Conversation) -> Conversation:
-    """Structural checks every trainer needs; raises RecordError with the reason."""
+def validate(messages: Conversation, *, open_turn: bool = False) -> Conversation:
+    """Structural checks every trainer needs; raises RecordError with the reason.
+
+    `open_turn`: the conversation is a prompt, followed by an assistant turn still to be
+    generated; it must admit that turn, and needs no assistant turn of its own.
+    """
     if not messages:
         raise RecordError("conversation is empty")
     for i, m in enumerate(messages):
@@ -173,27 +179,61 @@ def validate(messages: Conversation) -> Conversation:
         if m.role == "assistant" and empty and "tool_calls" not in m.extra:
             raise RecordError(f"assistant turn {i} is empty")
         previous = m.role
-    if not any(m.role == "assistant" for m in messages):
+    if open_turn:
+        if previous == "assistant":
+            raise RecordError(
+                f"two assistant turns in a row at turn {len(body)} (turns must alternate)"
+            )
+    elif not any(m.role == "assistant" for m in messages):
         raise RecordError("conversation has no assistant turn to learn from")
     return messages
 
 
-def parse_record(record: Any) -> Conversation:
-    """One JSON value -> a validated conversation (raises RecordError)."""
-    if not isinstance(record, dict):
-        raise RecordError(f"record is a JSON {type(record).__name__}, not an object")
+def _listed_messages(record: dict[str, Any]) -> Conversation:
+    """The turns of a `messages` or `conversations` record (the former wins)."""
     if "messages" in record:
         raw = record["messages"]
         if not isinstance(raw, list):
             raise RecordError("'messages' must be a list")
-        messages = [_message(m, i) for i, m in enumerate(raw)]
-    elif "conversations" in record:
-        messages = _sharegpt(record["conversations"])
+        return [_message(m, i) for i, m in enumerate(raw)]
+    return _sharegpt(record["conversations"])
+
+
+def _check_object(record: Any) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise RecordError(f"record is a JSON {type(record).__name__}, not an object")
+    return record
+
+
+def parse_record(record: Any) -> Conversation:
+    """One JSON value -> a validated conversation to train on (raises RecordError)."""
+    record = _check_object(record)
+    if "messages" in record or "conversations" in record:
+        messages = _listed_messages(record)
     elif "prompt" in record:
         messages = _prompt_completion(record)
     else:
         raise RecordError("record has none of 'messages', 'conversations' or 'prompt'")
     return validate(messages)
+
+
+def parse_prompt(record: Any) -> Conversation:
+    """One JSON value -> a validated conversation to answer (raises RecordError).
+
+    Read as `parse_record` reads it (same shapes, same precedence), except that it may end
+    in a user or tool turn, which asks for the next assistant turn: a chat whose last turn
+    is not the assistant's, or a prompt record without a completion. A conversation that
+    ends in an assistant turn is returned whole (its assistant turns may be regenerated).
+    """
+    record = _check_object(record)
+    if "messages" in record or "conversations" in record:
+        messages = _listed_messages(record)
+        open_turn = bool(messages) and messages[-1].role != "assistant"
+    elif "prompt" in record and "completion" not in record and "response" not in record:
+        messages, open_turn = _prompt_messages(record), True
+    else:
+        return parse_record(record)
+    return validate(messages, open_turn=open_turn)
 
 
 def record_tools(record: Any) -> list[dict[str, Any]] | None:

@@ -19,25 +19,31 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from flashdraft import config as cfg
+from flashdraft.config import option
+from flashdraft.model.target import DTYPES, load_target
+
+# `--dtype` values: the target dtypes by name, or auto (bfloat16 on CUDA, float32 on CPU).
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+# `generate` records the sampling settings with every output record ("generation").
+_RECORDED = ("generation",)
 
 
 @dataclass(kw_only=True, slots=True)
 class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 2048
+    temperature: float = option(0.0, ge=0, help="0 = greedy", tags=_RECORDED)
+    top_p: float = option(1.0, gt=0, le=1, help="nucleus sampling share (1 = off)", tags=_RECORDED)
+    top_k: int = option(0, ge=0, help="sample among the k most likely (0 = off)", tags=_RECORDED)
+    max_new_tokens: int = option(
+        2048, ge=1, help="longest answer, its stop token included", tags=_RECORDED
+    )
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        cfg.validate(self)
 
     @property
     def greedy(self) -> bool:
@@ -69,7 +75,7 @@ def finish(tokens: Iterable[int], stop_ids: set[int], stopped: bool = False) -> 
     return Generated(answer, "stop" if stopped else "length")
 
 
-class Backend(Protocol):
+class GenerationBackend(Protocol):
     name: str
     stop_ids: list[int]
     max_positions: int | None  # prompt + max_new_tokens must fit (None: no known limit)
@@ -84,8 +90,6 @@ class Backend(Protocol):
 
 def stop_token_ids(target: str, extra: Iterable[int] = ()) -> list[int]:
     """The target's generation_config eos ids (else its tokenizer's eos), then `extra`."""
-    from transformers import AutoTokenizer, GenerationConfig
-
     try:
         eos = GenerationConfig.from_pretrained(target).eos_token_id
     except OSError:  # no generation_config.json
@@ -98,9 +102,8 @@ def stop_token_ids(target: str, extra: Iterable[int] = ()) -> list[int]:
     return ids + [t for t in extra if t not in ids]
 
 
-def resolve_device(device: str | None) -> str:
-    import torch
-
+def default_device(device: str | None) -> str:
+    """`device`, or cuda when available, else cpu."""
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -115,8 +118,6 @@ class HFBackend:
     schedules_batches = False
 
     def __init__(self, model: Any, sampling: Sampling, stop_ids: list[int], pad_id: int):
-        from transformers import GenerationConfig
-
         self.model = model
         self.stop_ids = stop_ids
         self.pad_id = pad_id
@@ -148,17 +149,13 @@ class HFBackend:
         device: str | None = None,
         dtype: str = "auto",
     ) -> HFBackend:
-        from flashdraft.model.target import load_target
-
-        device = resolve_device(device)
+        device = default_device(device)
         model = load_target(target, resolve_dtype(dtype, device), None, device)
         return cls(model, sampling, stop_ids, pad_id)
 
     def generate(
         self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]
     ) -> list[Generated]:
-        import torch
-
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -186,15 +183,11 @@ class _TokenCounter:
     rows that have stopped). Duck-typed BaseStreamer: generate() only calls put/end."""
 
     def __init__(self, stop_ids: list[int], on_tokens: Callable[[int], None]):
-        import torch
-
         self.stop_ids = torch.tensor(stop_ids)
         self.on_tokens = on_tokens
         self.alive: Any = None
 
     def put(self, value: Any) -> None:
-        import torch
-
         if self.alive is None:  # generate() streams the prompt first
             self.alive = torch.ones(value.shape[0], dtype=torch.bool)
             return
@@ -272,11 +265,11 @@ def load_backend(
     device: str | None = None,
     dtype: str = "auto",
     vllm_kwargs: dict[str, Any] | None = None,
-) -> Backend:
+) -> GenerationBackend:
     """`auto` is vLLM when it is installed and a GPU is there, else HF."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if name == "auto":
-        name = "vllm" if has_vllm and resolve_device(device) == "cuda" else "hf"
+        name = "vllm" if has_vllm and default_device(device) == "cuda" else "hf"
     if name == "vllm":
         if not has_vllm:
             raise ValueError("--backend vllm, but vllm is not installed (pip install vllm)")

@@ -16,15 +16,9 @@ before the content is an empty reasoning block is also asked of the template: re
 turn with a probe reasoning must give the same text plus the probe. The full text is then
 tokenized once with offsets, and a token is trained iff it starts inside a trained span.
 
-Speed. Rendering every prefix costs O(turns²) template calls (a 500-message chat takes
-seconds with Qwen3's template). With `turns="all"` the full conversation is rendered once
-more with private-use markers around assistant contents, which gives where the template
-put each turn's content; a turn's trained text must then appear verbatim around that
-position. It is taken, cheapest first, from a cached rendering of a turn of the same shape
-with probe content (the real content and reasoning inserted), or from the turn rendered in
-a short local context (system message, a placeholder user turn, the tool messages since
-the last user turn). Anything that does not verify falls back to full-context prefix
-rendering, the reference; tests check that the paths agree on real chats.
+This module is the reference: every turn is rendered in its full context, O(turns²) template
+calls per conversation. `template_fast.FastChatTemplate` gives the same samples with far
+fewer calls (what `prepare` uses); tests check the two agree on real chats.
 
 Templates that rewrite earlier turns. Qwen3 drops the reasoning of assistant turns before
 the last user query, so the full rendering does not contain the think block those turns
@@ -44,27 +38,26 @@ template's non-thinking mode, where it has one).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from jinja2 import TemplateError
+from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from flashdraft.data.formats import Conversation, RecordError
+from flashdraft import config as cfg
+from flashdraft.config import option
+from flashdraft.data.formats import Conversation, Message, RecordError
 
-THINKING = ("keep", "strip", "off")
-TURNS = ("all", "last")
-
-# Private-use code points: never produced by a template, rare in data, and checked for.
-_OPEN, _CLOSE, _PROBE, _REASON = "\ue000", "\ue001", "\ue002", "\ue003"
-_MARKERS = re.compile(f"[{_OPEN}{_CLOSE}{_PROBE}{_REASON}]")
-_PLACEHOLDER = "Hello."
-_PROMPT_CACHE_SIZE = 4096
+# Private-use code points: never produced by a template, rare in data, and refused in
+# messages (`ChatTemplate.messages`). The reference probes with PROBE; the fast path also
+# marks assistant contents (CONTENT_OPEN, CONTENT_CLOSE) and reasoning (REASONING_PROBE).
+CONTENT_OPEN, CONTENT_CLOSE, PROBE, REASONING_PROBE = "\ue000", "\ue001", "\ue002", "\ue003"
+MARKERS = re.compile(f"[{CONTENT_OPEN}{CONTENT_CLOSE}{PROBE}{REASONING_PROBE}]")
 
 # What a misbehaving template raises on one record (jinja's raise_exception, a missing field).
 _TEMPLATE_ERRORS: tuple[type[Exception], ...] = (
@@ -76,19 +69,25 @@ _TEMPLATE_ERRORS: tuple[type[Exception], ...] = (
     IndexError,
 )
 
+# Both options decide the data: `prepare` compares them on resume ("data") and records them
+# in its manifest ("manifest").
+_RECORDED = ("data", "manifest")
+
 
 @dataclass(kw_only=True, slots=True)
 class TemplateOptions:
-    thinking: str = "keep"
-    turns: str = "all"
+    thinking: Literal["keep", "strip", "off"] = option(
+        "keep",
+        help="keep: train reasoning; strip: drop it; off: render in the template's "
+        "non-thinking mode",
+        tags=_RECORDED,
+    )
+    turns: Literal["all", "last"] = option(
+        "all", help="train every assistant turn or only the last", tags=_RECORDED
+    )
 
     def __post_init__(self) -> None:
-        if self.thinking not in THINKING:
-            raise ValueError(
-                f"thinking must be one of {', '.join(THINKING)}, got {self.thinking!r}"
-            )
-        if self.turns not in TURNS:
-            raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
+        cfg.validate(self)
 
 
 @dataclass(slots=True)
@@ -101,7 +100,7 @@ class RenderedSample:
 
 
 @dataclass(slots=True)
-class _Turn:
+class Turn:
     """An assistant turn rendered as the last message of `text`."""
 
     text: str
@@ -113,19 +112,14 @@ class _Turn:
         """This turn alone as a training sample, ending with its last trained token."""
         return RenderedSample(text=self.text[: self.end], spans=[(self.start, self.end)], turn=turn)
 
-    def place(self, text: str, content_at: int) -> tuple[int, int] | None:
-        """The same trained text inside `text`, aligned on the content; None if absent."""
-        shift = content_at - self.content
-        start, end = self.start + shift, self.end + shift
-        if start < 0 or text[start:end] != self.text[self.start : self.end]:
-            return None
-        return start, end
+
+# Where a trained turn is in the full conversation's text: its span, or, when the full text
+# does not hold it (a template that rewrites earlier turns), the turn rendered on its own.
+Located = tuple[int, int] | Turn
 
 
 def load_tokenizer(path: str | Path) -> Any:
     """A fast (Rust) tokenizer with a chat template; ValueError naming what is missing."""
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except OSError as err:
@@ -168,12 +162,6 @@ class ChatTemplate:
             reverse=True,
         )
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
-        # text before a turn's content -> whether it is an empty reasoning block (asked once)
-        self._empty_reasoning: dict[str, bool] = {}
-        # local context -> its rendering with the generation prompt (see _local_context)
-        self._prompts: dict[str, str] = {}
-        # turn shape -> trained text before and after its content (see _predict)
-        self._shapes: dict[str, tuple[str, str] | None] = {}
 
     # -- rendering -------------------------------------------------------------------------
 
@@ -207,7 +195,7 @@ class ChatTemplate:
         for i, message in enumerate(conversation):
             reasoning = message.reasoning if keep and (message.reasoning or "").strip() else None
             for text in (message.content, reasoning or ""):
-                if _MARKERS.search(text):
+                if MARKERS.search(text):
                     raise RecordError(f"message {i} contains a private-use marker character")
                 found = self._specials.search(text) if self._specials else None
                 if found:
@@ -248,12 +236,12 @@ class ChatTemplate:
             return [self._turn(messages[:last], messages[last], tools).sample(last)]
 
         text = self.render(messages, tools=tools)
-        content_at = self._content_positions(messages, text, tools)
+        locate = self._locator(messages, text, tools)
         spans: list[tuple[int, int]] = []
         samples: list[RenderedSample] = []
         for i in trained:
-            found = self._locate(text, content_at, messages, i, tools)
-            if isinstance(found, _Turn):  # rewritten in the full text: a sample of its own
+            found = locate(i)
+            if isinstance(found, Turn):  # rewritten in the full text: a sample of its own
                 samples.append(found.sample(i))
             elif spans and found[0] < spans[-1][1]:
                 raise RecordError("the chat template renders assistant turns out of order")
@@ -264,83 +252,30 @@ class ChatTemplate:
             samples.append(RenderedSample(text=text[: spans[-1][1]], spans=spans, turn=kept))
         return samples
 
-    def _locate(
+    def _locator(
         self,
-        text: str,
-        content_at: dict[int, int] | None,
         messages: list[dict[str, Any]],
-        index: int,
-        tools: list[dict[str, Any]] | None,
-    ) -> tuple[int, int] | _Turn:
-        """The trained span of turn `index` in the full `text`, or, when `text` does not
-        hold it, the turn rendered in its full context (to become a sample of its own).
-
-        Cheapest first: a cached turn shape, the turn in its local context, then the full
-        prefix rendering, which is the reference the other two must agree with.
-        """
-        message = messages[index]
-        if content_at is not None:
-            context = self._local_context(messages, index)
-            span = self._predict(text, content_at[index], context, message, tools)
-            if span is not None:
-                return span
-            local = self._turn(context, message, tools, prompt=self._prompt(context, tools))
-            span = local.place(text, content_at[index])
-            if span is not None:
-                return span
-        full = self._turn(messages[:index], message, tools)
-        if content_at is not None:
-            span = full.place(text, content_at[index])
-        else:
-            span = self._find(text, messages[:index], full, tools)
-        return full if span is None else span
-
-    def _predict(
-        self,
         text: str,
-        content_at: int,
-        context: list[dict[str, Any]],
-        message: dict[str, Any],
         tools: list[dict[str, Any]] | None,
-    ) -> tuple[int, int] | None:
-        """The turn's trained span in `text` without rendering it again.
+    ) -> Callable[[int], Located]:
+        """Message index -> where that trained turn is in `text`, the full rendering.
 
-        A turn of the same shape (context, fields, reasoning or not) is rendered once with
-        probe content and reasoning; the real ones go in verbatim, and `text` must hold
-        exactly that trained text around the content's position. None otherwise (a
-        template that strips or rewrites them), and the caller renders the turn itself.
+        The reference: the turn rendered in its full context (prefix rendering), then found
+        at its place in `text` (`_find`).
         """
-        reasoning = message.get("reasoning_content")
-        shape_of = {**message, "content": None, "reasoning_content": reasoning is not None}
-        key = json.dumps([context, shape_of, tools], sort_keys=True)
-        if key not in self._shapes:
-            if len(self._shapes) >= _PROMPT_CACHE_SIZE:
-                self._shapes.clear()
-            probe = {**message, "content": _PROBE}
-            if reasoning is not None:
-                probe["reasoning_content"] = _REASON
-            turn = self._turn(context, probe, tools, prompt=self._prompt(context, tools))
-            before, found, after = turn.text[turn.start : turn.end].partition(_PROBE)
-            usable = found and (reasoning is None or before.count(_REASON) == 1)
-            self._shapes[key] = (before, after) if usable else None
-        shape = self._shapes[key]
-        if shape is None:
-            return None
-        before, after = shape
-        if reasoning is not None:
-            before = before.replace(_REASON, reasoning)
-        start = content_at - len(before)
-        middle = content_at + len(message["content"])
-        end = middle + len(after)
-        if start < 0 or text[start:content_at] != before or text[middle:end] != after:
-            return None
-        return start, end
+
+        def locate(index: int) -> Located:
+            full = self._turn(messages[:index], messages[index], tools)
+            span = self._find(text, messages[:index], full, tools)
+            return full if span is None else span
+
+        return locate
 
     def _find(
         self,
         text: str,
         context: list[dict[str, Any]],
-        turn: _Turn,
+        turn: Turn,
         tools: list[dict[str, Any]] | None,
     ) -> tuple[int, int] | None:
         """The trained text of `turn` in `text` at its place, found without content markers.
@@ -365,8 +300,9 @@ class ChatTemplate:
         message: dict[str, Any],
         tools: list[dict[str, Any]] | None,
         prompt: str | None = None,
-    ) -> _Turn:
-        """Render `context + [message]` and find the trained span of `message` in it."""
+    ) -> Turn:
+        """Render `context + [message]` and find the trained span of `message` in it
+        (`prompt`: the rendering of `context` with the generation prompt, if known)."""
         if prompt is None:
             prompt = self.render(context, generation_prompt=True, tools=tools)
         text = self.render([*context, message], tools=tools)
@@ -400,16 +336,7 @@ class ChatTemplate:
         if end <= start:
             raise RecordError(f"assistant turn {len(context)} renders no text to train")
         base = len(prompt)
-        return _Turn(text=text, start=base + start, end=base + end, content=base + content)
-
-    def _prompt(self, context: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        key = json.dumps([context, tools], sort_keys=True)
-        prompt = self._prompts.get(key)
-        if prompt is None:
-            if len(self._prompts) >= _PROMPT_CACHE_SIZE:
-                self._prompts.clear()
-            prompt = self._prompts[key] = self.render(context, generation_prompt=True, tools=tools)
-        return prompt
+        return Turn(text=text, start=base + start, end=base + end, content=base + content)
 
     def _content_offset(
         self,
@@ -424,8 +351,8 @@ class ChatTemplate:
         if content and body.count(content) == 1:
             return body.index(content)
         # Empty or repeated content: ask the template with a probe content instead.
-        text = self.render([*context, {**message, "content": _PROBE}], tools=tools)
-        at = text.find(_PROBE, len(prompt))
+        text = self.render([*context, {**message, "content": PROBE}], tools=tools)
+        at = text.find(PROBE, len(prompt))
         if at < 0 or not text.startswith(prompt):
             raise RecordError(f"the chat template does not render assistant turn {len(context)}")
         return at - len(prompt)
@@ -444,68 +371,14 @@ class ChatTemplate:
         It is iff rendering the turn with a probe reasoning gives the same text plus the
         probe, placed before the content.
         """
-        before = body[:content]
-        if not before.strip():
+        if not body[:content].strip():
             return False
-        known = self._empty_reasoning.get(before)
-        if known is None:
-            text = self.render([*context, {**message, "reasoning_content": _PROBE}], tools=tools)
-            probed = text[len(prompt) :]
-            at = probed.find(_PROBE)
-            known = (
-                text.startswith(prompt)
-                and 0 <= at <= content
-                and probed.replace(_PROBE, "", 1) == body
-            )
-            if len(self._empty_reasoning) >= _PROMPT_CACHE_SIZE:  # bounded, like _prompts
-                self._empty_reasoning.clear()
-            self._empty_reasoning[before] = known
-        return known
-
-    @staticmethod
-    def _local_context(messages: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
-        """A short stand-in for the context of turn `index`.
-
-        The system message, a placeholder user turn, then the messages between the last
-        user turn and `index` (tool calls and results). The placeholder makes the prompt
-        rendering of plain chats identical across turns and records, so it is cached.
-        """
-        start = index - 1
-        while start > 0 and messages[start]["role"] != "user":
-            start -= 1
-        head = messages[:1] if messages[0]["role"] == "system" else []
-        return [*head, {"role": "user", "content": _PLACEHOLDER}, *messages[start + 1 : index]]
-
-    def _content_positions(
-        self,
-        messages: list[dict[str, Any]],
-        text: str,
-        tools: list[dict[str, Any]] | None,
-    ) -> dict[int, int] | None:
-        """Message index -> where that assistant turn's content starts in `text`.
-
-        Rendered once with markers around each assistant content; None when the markers
-        change the rendering (a template that trims content), which selects the slow path.
-        """
-        indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        marked = [
-            {**m, "content": _OPEN + m["content"] + _CLOSE} if m["role"] == "assistant" else m
-            for m in messages
-        ]
-        rendered = self.render(marked, tools=tools)
-        if _MARKERS.sub("", rendered) != text:
-            return None
-        positions: dict[int, int] = {}
-        removed = 0
-        pieces = re.finditer(f"{_OPEN}([^{_CLOSE}]*){_CLOSE}", rendered)
-        for index, match in zip(indices, pieces, strict=False):
-            if match.group(1) != messages[index]["content"]:
-                return None
-            positions[index] = match.start() - removed
-            removed += 2
-        if len(positions) != len(indices) or rendered.count(_OPEN) != len(indices):
-            return None
-        return positions
+        text = self.render([*context, {**message, "reasoning_content": PROBE}], tools=tools)
+        probed = text[len(prompt) :]
+        at = probed.find(PROBE)
+        return (
+            text.startswith(prompt) and 0 <= at <= content and probed.replace(PROBE, "", 1) == body
+        )
 
     # -- run-level check -------------------------------------------------------------------
 
@@ -514,8 +387,6 @@ class ChatTemplate:
 
         Raises ValueError with the reason; run once before any data is processed.
         """
-        from flashdraft.data.formats import Message
-
         conversation = [
             Message("system", "You are a careful assistant."),
             Message("user", "What is the capital of France?"),

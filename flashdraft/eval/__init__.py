@@ -1,4 +1,7 @@
-"""Eval: the draft-and-verify decode loop (`speculative`) and the acceptance report built on
-it (`evaluate`). May import `model`, `data` (to read and render prompts) and the base layer;
-never `train` or `commands`.
+"""Eval: real acceptance of a drafter against the live target. Owns the draft-and-verify
+decode loop (`speculative`), the evaluation prompts (`prompts`), the measurement and the
+options of `flashdraft eval` (`evaluate`), and the report built from it: statistics, the
+lossless accounting, timing, plot and summary (`report`). May import `model`, `data` (to read
+and render prompts), `export` and the base layer; never `train` or `commands` (the command
+loads drafters from training checkpoints through `flashdraft.train.checkpoint`).
 """

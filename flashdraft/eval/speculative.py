@@ -1,7 +1,7 @@
 """Speculative decoding with a DFlash drafter against the live target (SPEC section 5).
 
-Model-level code only: no files, no CLI, no metrics aggregation (`flashdraft.eval.evaluate` does
-those). One prompt at a time, batch 1, as in the DFlash paper's acceptance measurements.
+Model-level code only: no files, no CLI, no metrics aggregation (`flashdraft.eval.evaluate` and
+`flashdraft.eval.report` do those). One prompt at a time, batch 1, as in the DFlash paper's acceptance measurements.
 
 Shape legend: P prompt tokens, B block size (bonus + B-1 drafts), H hidden, K taps, V vocab.
 

@@ -11,13 +11,56 @@ pre-flight estimate. Nothing is written to the run directory but its resolved co
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from flashdraft.benchutil import measure
+from flashdraft import config as cfg
+from flashdraft.benchutil import matmul_peak, measure
+from flashdraft.config import option
+from flashdraft.train.packing import Row
+from flashdraft.train.parallel import init_distributed
+from flashdraft.train.plan import plan_run
+from flashdraft.train.presets import RunSource
+from flashdraft.train.step import draft_loss
 from flashdraft.train.trainer import Interval, Trainer
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """The options of `flashdraft bench`."""
+
+    run: RunSource = field(default_factory=RunSource)
+    warmup: int = option(3, ge=0, help="untimed calls first (compilation, autotuning)")
+    iters: int = option(10, ge=1, help="timed calls; the median is reported")
+
+    def __post_init__(self) -> None:
+        cfg.validate(self)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    device: torch.device
+    peak: float  # measured matmul FLOP/s
+    results: list[dict[str, Any]]  # one row per timed thing (see COLUMNS)
+    summary: dict[str, Any]
+
+
+def bench_run(config: BenchConfig) -> BenchResult:
+    """Build the run of `config` as `flashdraft train` would (into a scratch output) and time
+    it on this device."""
+    run = config.run.load(f"output={tempfile.mkdtemp(prefix='flashdraft-bench-')}")
+    info = init_distributed(run.device)
+    if info.distributed:
+        raise ValueError("run `flashdraft bench` as one process (it measures one device)")
+    trainer = Trainer(plan_run(run, info, resume=False))
+    peak = matmul_peak(trainer.device)
+    results = time_trainer(trainer, parts=True, warmup=config.warmup, iters=config.iters)
+    return BenchResult(trainer.device, peak, results, summarise(results, peak))
 
 
 def unique_graphs() -> int:
@@ -27,73 +70,82 @@ def unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def step_flops(trainer: Trainer) -> tuple[float, float]:
+    """(target, drafter) FLOPs of one row.
+
+    Target: (1) its stack forward over the row (`Target.flops_per_token`); (2) its LM head at
+    the label positions. Drafter: (3) forward + backward (x3) of its layers over the A*B
+    queries; (4) its LM head forward and the gradient w.r.t. the hidden state (x2: the head
+    is frozen, no weight gradient).
+    """
+    assert trainer.target is not None, "bench needs the target on this rank (colocated)"
+    config = trainer.config
+    row_tokens, anchors = config.data.row_tokens, config.loss.anchors
+    hidden, vocab = trainer.drafter_config.hidden_size, trainer.drafter_config.vocab_size
+    head_rows = anchors * (trainer.block - 1)
+    target = trainer.target.flops_per_token(row_tokens) * row_tokens  # (1)
+    target += 2 * hidden * vocab * head_rows  # (2)
+    queries = anchors * trainer.block
+    drafter = 3 * trainer.drafter.num_flops_per_query_token(row_tokens, queries) * queries  # (3)
+    drafter += 2 * 2 * hidden * vocab * head_rows  # (4)
+    return target, drafter
+
+
+def _time_parts(
+    trainer: Trainer, rows: list[Row], record: Callable[[str, Callable[[], None], float], None]
+) -> None:
+    """Time the target forward alone and the drafter step alone (on one fixed batch, freed
+    on return so that it does not count in the full step's peak memory)."""
+    device, config = trainer.device, trainer.config
+    batch = trainer.make_batch(rows[0])
+    counter = iter(range(10**9))
+    queries = config.loss.anchors * trainer.block
+    normaliser = torch.tensor(float(queries), device=device)
+
+    def target_only() -> None:
+        trainer.make_batch(rows[next(counter) % len(rows)])
+
+    def drafter_only() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _ = draft_loss(
+                trainer.drafter,
+                trainer.head,
+                batch,
+                trainer.slot_w,
+                normaliser,
+                trainer.backend,
+                config.loss.chunk_rows,
+                forward=trainer.model,
+            )
+        loss.backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    target_flops, drafter_flops = step_flops(trainer)
+    record("target forward", target_only, target_flops)
+    record("drafter step", drafter_only, drafter_flops)
+
+
 def time_trainer(
     trainer: Trainer, *, parts: bool, warmup: int, iters: int, without_overlap: bool = False
 ) -> list[dict[str, Any]]:
     """Median times of target forward / drafter step (if `parts`) and the full online step
-    (also with rows built inline, no prefetch thread, if `without_overlap`).
-
-    FLOPs: the target's stack forward over the row (`Target.flops_per_token`) plus its LM
-    head at the label positions; the drafter's fwd + bwd (x3) plus its LM head forward and
-    gradient w.r.t. the hidden state (x2, the head is frozen).
-    """
-    assert trainer.target is not None, "bench needs the target on this rank (colocated)"
+    (also with rows built inline, no prefetch thread, if `without_overlap`); FLOPs from
+    `step_flops`."""
     config, device = trainer.config, trainer.device
-    row_tokens, anchors = config.data.row_tokens, config.loss.anchors
-    hidden, vocab = trainer.drafter_config.hidden_size, trainer.drafter_config.vocab_size
+    target_flops, drafter_flops = step_flops(trainer)
     rows = trainer.stream.iterate(iter(range(10**9)), config.data.prefetch)
-    head_rows = anchors * (trainer.block - 1)
-    target_flops = trainer.target.flops_per_token(row_tokens) * row_tokens
-    target_flops += 2 * hidden * vocab * head_rows
-    queries = anchors * trainer.block
-    drafter_flops = 3 * trainer.drafter.num_flops_per_query_token(row_tokens, queries) * queries
-    drafter_flops += 2 * 2 * hidden * vocab * head_rows
     sample_rows = [next(rows) for _ in range(4)]
     real_tokens = float(np.mean([r.tokens for r in sample_rows]))
     results: list[dict[str, Any]] = []
 
-    def record(what: str, fn: Any, flops: float, **extra: Any) -> None:
+    def record(what: str, fn: Callable[[], None], flops: float) -> None:
         timing = measure(fn, device, warmup, iters)
-        results.append(
-            dict(
-                what=what,
-                row=row_tokens,
-                flops=flops,
-                s=timing.median_s,
-                **timing.as_dict(),
-                **extra,
-            )
-        )
+        row = config.data.row_tokens
+        results.append(dict(what=what, row=row, flops=flops, s=timing.median_s, **timing.as_dict()))
 
     if parts:
-        from flashdraft.train.step import draft_loss
-
-        batch = trainer._batch(sample_rows[0])
-        counter = iter(range(10**9))
-        normaliser = torch.tensor(float(queries), device=device)
-
-        def target_only() -> None:
-            trainer._batch(sample_rows[next(counter) % len(sample_rows)])
-
-        def drafter_only() -> None:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss, _ = draft_loss(
-                    trainer.drafter,
-                    trainer.head,
-                    batch,
-                    trainer.slot_w,
-                    normaliser,
-                    trainer.backend,
-                    config.loss.chunk_rows,
-                    forward=trainer.model,
-                )
-            loss.backward()
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
-
-        record("target forward", target_only, target_flops)
-        record("drafter step", drafter_only, drafter_flops)
-        del batch
+        _time_parts(trainer, sample_rows, record)
 
     def full() -> None:
         trainer.train_step([next(rows)], Interval())

@@ -17,13 +17,23 @@ Nothing here unpickles: tensors go through safetensors, everything else is JSON.
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from flashdraft import storage
+from flashdraft.export import load_exported
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import DFlashDrafter
 
@@ -74,12 +84,11 @@ def load_drafter(url: str, num_target_layers: int | None = None) -> DFlashDrafte
     """A drafter from a training checkpoint, a run directory (its latest complete
     checkpoint) or an exported directory (dflash or speculators layout; ours or a published
     z-lab drafter). `num_target_layers` only completes a speculators config that lacks it."""
-    from flashdraft.export import load_exported
-
-    if storage.exists(storage.join(url, "config.json")):
-        return load_exported(url, dtype=torch.float32, num_target_layers=num_target_layers)
     if not is_training_checkpoint(url):
+        # A run directory also holds a config.json (its run config): checkpoints first.
         latest = latest_checkpoint(url)
+        if latest is None and storage.exists(storage.join(url, "config.json")):
+            return load_exported(url, dtype=torch.float32, num_target_layers=num_target_layers)
         if latest is None:
             raise FileNotFoundError(
                 f"{url} is neither a serving-format drafter (config.json), a training "
@@ -94,10 +103,6 @@ def load_drafter(url: str, num_target_layers: int | None = None) -> DFlashDrafte
 
 def rng_state() -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Every RNG the run touches: Python, NumPy, torch CPU and CUDA (JSON + tensors)."""
-    import random
-
-    import numpy as np
-
     py = random.getstate()
     np_state: Any = np.random.get_state()
     meta = {
@@ -111,10 +116,6 @@ def rng_state() -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 def set_rng_state(meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-    import random
-
-    import numpy as np
-
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = meta["numpy"]
@@ -139,12 +140,6 @@ def save_checkpoint(
     Written into `step_N/`, with `COMPLETE` last: a crash mid-write leaves a directory that
     `latest_checkpoint` ignores, never one that looks valid.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
     # No cpu_offload: with it only global rank 0 receives the state, but the writer is the
     # first drafter replica, which in the split placement is not rank 0.
     options = StateDictOptions(full_state_dict=True)
@@ -187,12 +182,6 @@ def load_checkpoint(
     url: str, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Restore drafter, optimizer and RNG from a complete checkpoint (every rank reads it)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     if not storage.exists(storage.join(url, COMPLETE)):
         raise ValueError(f"{url} is not a complete checkpoint (no {COMPLETE} marker)")
     state = dict(storage.read_json(storage.join(url, "state.json")))

@@ -14,6 +14,9 @@ import tempfile
 from typing import Any
 
 from flashdraft import storage
+from flashdraft.log import get_logger
+
+log = get_logger(__name__)
 
 METRICS = "metrics.jsonl"
 
@@ -61,7 +64,7 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError:
-                print(
+                log.warning(
                     "flashdraft: wandb is not installed; `pip install flashdraft[wandb]` (logging on)"
                 )
             else:

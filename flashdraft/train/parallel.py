@@ -205,32 +205,25 @@ def dp_all_reduce_sum(tensor: Tensor, placement: Placement) -> Tensor:
     return tensor
 
 
+def dp_all_reduce_min(tensor: Tensor, placement: Placement) -> Tensor:
+    """Minimum over the drafter replicas only."""
+    if placement.dp_world > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=placement.group)
+    return tensor
+
+
 def dp_barrier(placement: Placement) -> None:
     if placement.dp_world > 1:
         dist.barrier(group=placement.group)
 
 
-class FeatureChannel:
-    """Point-to-point transfer of (features [1, T, K*H], next tokens [1, A, B-1]) between one
-    target rank and one drafter rank, with at most `depth` transfers in flight.
+class FeatureSender:
+    """Target rank -> one drafter rank: (features [1, T, K*H], next tokens [1, A, B-1]) per
+    row, point to point, with at most `depth` transfers in flight. The sender never waits
+    for a drafter step unless `depth` transfers are already queued."""
 
-    Shapes are static (rows are padded to the token budget, A is fixed), so the receiver
-    preallocates. The sender never waits for a drafter step unless `depth` transfers are
-    already queued; the receiver posts the next receives before it computes on the current.
-    """
-
-    def __init__(
-        self,
-        peer: int,
-        feature_shape: tuple[int, ...],
-        label_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-        depth: int,
-    ) -> None:
+    def __init__(self, peer: int, depth: int) -> None:
         self.peer, self.depth = peer, max(1, depth)
-        self.feature_shape, self.label_shape = feature_shape, label_shape
-        self.dtype, self.device = dtype, device
         self._pending: list[tuple[list[Any], tuple[Tensor, Tensor]]] = []
 
     def send(self, features: Tensor, next_tokens: Tensor) -> None:
@@ -248,17 +241,45 @@ class FeatureChannel:
                 work.wait()
         self._pending.clear()
 
+
+class FeatureReceiver:
+    """Drafter rank <- its target rank: the other end of `FeatureSender`.
+
+    Shapes are static (rows are padded to the token budget, A is fixed), so the receiver
+    preallocates, and posts the next receives before it computes on the current one. It is
+    told how many transfers the sender will make in all: a receive posted past the last
+    one would never complete.
+    """
+
+    def __init__(
+        self,
+        peer: int,
+        feature_shape: tuple[int, ...],
+        label_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        depth: int,
+        total: int,
+    ) -> None:
+        self.peer, self.depth = peer, max(1, depth)
+        self.feature_shape, self.label_shape = feature_shape, label_shape
+        self.dtype, self.device = dtype, device
+        self.remaining = total  # transfers not yet posted
+        self._pending: list[tuple[list[Any], tuple[Tensor, Tensor]]] = []
+
     def _post(self) -> None:
         features = torch.empty(self.feature_shape, dtype=self.dtype, device=self.device)
         labels = torch.empty(self.label_shape, dtype=torch.long, device=self.device)
         works = [dist.irecv(features, self.peer), dist.irecv(labels, self.peer)]
         self._pending.append((works, (features, labels)))
+        self.remaining -= 1
 
-    def receive(self, remaining: int) -> tuple[Tensor, Tensor]:
-        """The next transfer, keeping up to `depth` receives posted ahead, but never past the
-        `remaining` transfers the sender will make (a dangling receive would hang)."""
-        while len(self._pending) < min(self.depth, remaining):
+    def receive(self) -> tuple[Tensor, Tensor]:
+        """The next transfer, keeping up to `depth` receives posted ahead."""
+        while len(self._pending) < self.depth and self.remaining > 0:
             self._post()
+        if not self._pending:
+            raise RuntimeError(f"rank {self.peer} has sent every transfer it was to send")
         works, (features, labels) = self._pending.pop(0)
         for work in works:
             work.wait()

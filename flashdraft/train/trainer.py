@@ -1,10 +1,13 @@
 """`flashdraft train`: a DFlash drafter trained online against a frozen target.
 
-Per optimizer step, on every rank: G packed rows, each through the target (taps + argmax
-labels at the anchor blocks only) and then through the drafter forward and backward; after
-G rows: clip, AdamW (fp32 master weights, bf16 compute on CUDA), LR schedule. The loss
-normaliser of the step, the global trained-slot weight (SPEC trap 10), is known from the CPU
-rows before any forward and is all-reduced once per step.
+Per optimizer step, on every drafter rank: G packed rows, each through the target (taps +
+argmax labels at the anchor blocks only; `features`) and then through the drafter forward and
+backward; after G rows: clip, AdamW (fp32 master weights, bf16 compute on CUDA), LR schedule.
+The loss normaliser of the step, the global trained-slot weight (SPEC trap 10), is known from
+the CPU rows before any forward and is all-reduced once per step.
+
+`train` is the entry point of every rank: it plans the run (`plan`), then a target rank of
+the split placement serves the target (`server`) and a drafter rank runs `Trainer.fit`.
 
     flashdraft train --config run.toml [--set optim.lr=3e-4 ...] [--resume]
 """
@@ -14,90 +17,46 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from flashdraft import storage
-from flashdraft.data.inference import resolve_dtype
-from flashdraft.export import load_dflash, save_dflash, verify_export
-from flashdraft.model.attention import Backend, default_backend
-from flashdraft.model.config import DrafterConfig, choose_mask_token_id
-from flashdraft.model.drafter import DFlashDrafter, init_seeded, param_count
-from flashdraft.model.head import TargetHead
-from flashdraft.model.target import DTYPES, Target, decoder_layers, load_target
+from flashdraft.eval.evaluate import evaluate_drafter, load_prompts
+from flashdraft.export import save_dflash, verify_export
+from flashdraft.log import get_logger
+from flashdraft.model.attention import default_backend
+from flashdraft.model.drafter import DFlashDrafter, param_count
+from flashdraft.model.target import decoder_layers
 from flashdraft.train import preflight
-from flashdraft.train.blocks import data_next_tokens, slot_weights
+from flashdraft.train.blocks import slot_weights
 from flashdraft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from flashdraft.train.config import LossSection, OptimSection, RunConfig
+from flashdraft.train.config import RunConfig
+from flashdraft.train.features import device_put, open_feature_source
 from flashdraft.train.loss import BlockStats
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.packing import Row, RowStream
+from flashdraft.train.optim import FiniteGuard, build_optimizer
+from flashdraft.train.packing import Row
 from flashdraft.train.parallel import (
-    DistInfo,
-    FeatureChannel,
-    Placement,
-    assign_placement,
     barrier,
     compile_drafter,
     dp_all_reduce_sum,
     dp_barrier,
     gradient_sync,
     init_distributed,
-    receive_head,
-    send_head,
-    shard_target,
     shutdown,
     wrap_drafter,
 )
+from flashdraft.train.plan import RunPlan, initial_drafter, plan_run
+from flashdraft.train.schedule import Stopwatch, lr_at
+from flashdraft.train.server import serve_target
 from flashdraft.train.step import DraftBatch, draft_loss
 
-
-def lr_at(step: int, total: int, optim: OptimSection) -> float:
-    """Warmup, then cosine to min_lr_ratio, warmup-stable-decay (linear), or constant."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    floor = optim.min_lr_ratio
-    if optim.schedule == "constant":
-        return optim.lr
-    if optim.schedule == "cosine":
-        progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
-        return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-    decay_start = total - int(optim.decay_ratio * total)
-    if step < decay_start:
-        return optim.lr
-    progress = (step - decay_start) / max(1, total - decay_start)
-    return optim.lr * (1 - (1 - floor) * min(progress, 1.0))
-
-
-class Stopwatch:
-    """Phase times without host syncs in the step: CUDA events, read only when logging."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.spans: dict[str, list[Any]] = {}
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def add(self, name: str, start: Any, end: Any) -> None:
-        self.spans.setdefault(name, []).append((start, end))
-
-    def seconds(self, name: str) -> float:
-        """Total seconds of a phase since the last call (syncs on CUDA)."""
-        spans = self.spans.pop(name, [])
-        if self.cuda:
-            if spans:
-                spans[-1][1].synchronize()
-            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
-        return float(sum(b - a for a, b in spans))
+log = get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -111,269 +70,10 @@ class Interval:
     started: float = field(default_factory=time.perf_counter)
 
 
-def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[DrafterConfig, str]:
-    """Drafter geometry from the target and the run config; returns (config, mask note)."""
-    section = config.drafter
-    if section.mask_token_id is not None:
-        mask_id, why = section.mask_token_id, "set in the run config"
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.target.path)
-        mask_id, why = choose_mask_token_id(target_config, tokenizer)
-    drafter_config = DrafterConfig.from_target_config(
-        target_config,
-        mask_token_id=mask_id,
-        num_layers=section.num_layers,
-        block_size=section.block_size,
-        target_layer_ids=section.target_layer_ids,
-        sliding_window=section.sliding_window,
-        sliding_layers=section.sliding_layers,
-        intermediate_size=section.intermediate_size,
-    )
-    return drafter_config, why
-
-
-def load_drafter_init(config: RunConfig, drafter_config: DrafterConfig) -> DFlashDrafter:
-    seed = config.seed if config.drafter.init_seed is None else config.drafter.init_seed
-    if config.drafter.init_from is None:
-        return init_seeded(drafter_config, seed)
-    warm = load_dflash(config.drafter.init_from, dtype=torch.float32)
-    if warm.config.target_layer_ids != drafter_config.target_layer_ids or (
-        warm.config.hidden_size != drafter_config.hidden_size
-    ):
-        raise ValueError(
-            f"drafter.init_from {config.drafter.init_from}: its taps "
-            f"{warm.config.target_layer_ids} / hidden {warm.config.hidden_size} do not match "
-            f"this target ({drafter_config.target_layer_ids} / {drafter_config.hidden_size})"
-        )
-    return warm
-
-
-@dataclass(slots=True)
-class RunPlan:
-    """What every rank of a run agrees on before any weight is loaded."""
-
-    config: RunConfig
-    info: DistInfo
-    placement: Placement
-    target_config: Any
-    drafter_config: DrafterConfig
-    mask_note: str
-    stream: RowStream
-    dataset: Any
-    total_rows: int
-    total_steps: int
-    start_step: int
-    start_cursor: int
-    resume_from: str | None
-
-    @property
-    def rows_per_step(self) -> int:
-        return self.placement.dp_world * self.config.optim.grad_accum
-
-    def positions(self, dp_rank: int) -> Any:
-        """Stream positions of dp replica `dp_rank`'s rows, step after step, from the cursor."""
-        g = self.config.optim.grad_accum
-        base = self.start_cursor
-        for _ in range(self.start_step, self.total_steps):
-            for m in range(g):
-                yield base + dp_rank * g + m
-            base += self.rows_per_step
-
-
-def plan_run(
-    config: RunConfig, info: DistInfo, resume: bool, target_config: Any = None, dataset: Any = None
-) -> RunPlan:
-    from transformers import AutoConfig
-
-    placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
-    existing = latest_checkpoint(config.output)
-    if existing is not None and not resume:
-        raise FileExistsError(
-            f"{config.output} already holds checkpoints (latest {existing}); pass --resume "
-            "to continue that run or choose a new output"
-        )
-    if info.is_main:
-        storage.makedirs(config.output)
-        storage.write_json_atomic(storage.join(config.output, "config.json"), config.to_dict())
-    barrier(info)
-    if target_config is None:
-        target_config = AutoConfig.from_pretrained(config.target.path, trust_remote_code=False)
-    drafter_config, mask_note = build_drafter_config(config, target_config)
-    if dataset is None:
-        from flashdraft.data.dataset import open_datasets
-
-        dataset = open_datasets(config.data.datasets)
-    stream = RowStream(
-        dataset.num_tokens,
-        dataset.sample,
-        row_tokens=config.data.row_tokens,
-        num_anchors=config.loss.anchors,
-        block_size=drafter_config.block_size,
-        seed=config.seed,
-        epochs=config.optim.epochs,
-        overlong=config.data.overlong,
-        shuffle=config.data.shuffle,
-        pad_id=int(getattr(target_config, "pad_token_id", None) or 0),
-    )
-    total_rows = stream.total_rows()
-    rows_per_step = placement.dp_world * config.optim.grad_accum
-    total_steps = total_rows // rows_per_step
-    if config.optim.max_steps is not None:
-        total_steps = min(total_steps, config.optim.max_steps)
-    if total_steps < 1:
-        raise ValueError(
-            f"the data makes {total_rows} packed rows of {config.data.row_tokens} tokens, "
-            f"fewer than one step needs ({placement.dp_world} drafter replica(s) x grad_accum "
-            f"{config.optim.grad_accum}); lower data.row_tokens or add data"
-        )
-    resume_from = existing if resume else None
-    step = cursor = 0
-    if resume_from is not None:
-        state = storage.read_json(storage.join(resume_from, "state.json"))
-        step, cursor = int(state["step"]), int(state["cursor"])
-    return RunPlan(
-        config,
-        info,
-        placement,
-        target_config,
-        drafter_config,
-        mask_note,
-        stream,
-        dataset,
-        total_rows,
-        total_steps,
-        step,
-        cursor,
-        resume_from,
-    )
-
-
-def _load_target(plan: RunPlan, target_model: Any, backend: Backend) -> Target:
-    config, device = plan.config, plan.info.device
-    sharded = config.parallel.shard_target and plan.info.distributed
-    if target_model is None:
-        dtype = resolve_dtype(config.target.dtype, device.type)
-        attn = config.target.attn_implementation or (
-            "flex_attention" if device.type == "cuda" else "sdpa"
-        )
-        target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
-        if sharded:
-            shard_target(decoder_layers(target_model))
-            target_model.to(device)
-    target = Target(
-        target_model,
-        plan.drafter_config.target_layer_ids,
-        backend,
-        sharded=sharded,
-    )
-    target.verify_taps()
-    return target
-
-
-def _head_tensors(head: TargetHead) -> list[Tensor]:
-    embedding = getattr(head.embedding, "weight", None)
-    assert isinstance(embedding, Tensor)
-    scale = torch.tensor(
-        [float(getattr(head.embedding, "embed_scale", 1.0))], device=head.weight.device
-    )
-    return [embedding, head.weight, scale.to(head.weight.dtype)]
-
-
-def _remote_head(plan: RunPlan, dtype: torch.dtype) -> TargetHead:
-    """The target's embedding and LM head, received once from the feeding target rank."""
-    vocab, hidden = plan.drafter_config.vocab_size, plan.drafter_config.hidden_size
-    embedding_w, head_w, scale = receive_head(
-        [(vocab, hidden), (vocab, hidden), (1,)], dtype, plan.info.device, plan.placement.feeder
-    )
-    embedding = nn.Embedding.from_pretrained(embedding_w, freeze=True)
-    embed_scale = float(scale)
-    module: nn.Module = (
-        embedding if embed_scale == 1.0 else _ScaledEmbedding(embedding, embed_scale)
-    )
-    return TargetHead.from_parts(module, head_w, plan.target_config.get_text_config())
-
-
-class _ScaledEmbedding(nn.Module):
-    def __init__(self, inner: nn.Embedding, scale: float) -> None:
-        super().__init__()
-        self.inner, self.scale = inner, scale
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.inner(ids) * self.scale
-
-
-def serve_target(plan: RunPlan, target_model: Any = None) -> None:
-    """Split placement, target rank: run the target for the drafters it feeds, forever ahead
-    of them by at most `parallel.queue_depth` rows each."""
-    config, info = plan.config, plan.info
-    backend = default_backend(info.device)
-    target = _load_target(plan, target_model, backend)
-    consumers = plan.placement.consumers(info.rank)
-    send_head(_head_tensors(target.head), consumers)
-    channels = {
-        peer: FeatureChannel(
-            peer, (), (), target.head.weight.dtype, info.device, config.parallel.queue_depth
-        )
-        for peer in consumers
-    }
-    streams = {
-        peer: plan.stream.iterate(
-            plan.positions(plan.placement.drafter_ranks.index(peer)),
-            config.data.prefetch if config.parallel.overlap else 0,
-        )
-        for peer in consumers
-    }
-    block = plan.drafter_config.block_size
-    for _ in range(plan.start_step, plan.total_steps):
-        for peer in consumers:
-            for _ in range(config.optim.grad_accum):
-                row = next(streams[peer])
-                put = device_put(info.device)
-                on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids))
-                features, next_tokens = target_outputs(
-                    target, row, (*on_device, put(row.anchors)), put, config.loss, block
-                )
-                channels[peer].send(features, next_tokens)
-    for channel in channels.values():
-        channel.flush()
-
-
-def device_put(device: torch.device) -> Callable[[Tensor], Tensor]:
-    """A row tensor [T] -> [1, T] on `device`; on CUDA through pinned memory, asynchronously
-    (no host sync)."""
-    non_blocking = device.type == "cuda"
-
-    def put(t: Tensor) -> Tensor:
-        return (t.pin_memory() if non_blocking else t).to(device, non_blocking=non_blocking)[None]
-
-    return put
-
-
-def target_outputs(
-    target: Target,
-    row: Row,
-    on_device: tuple[Tensor, Tensor, Tensor, Tensor],
-    put: Callable[[Tensor], Tensor],
-    loss: LossSection,
-    block: int,
-) -> tuple[Tensor, Tensor]:
-    """The target's side of one row: (taps [1, T, K*H], next tokens [1, A, B-1]), the labels
-    from the target's own predictions or, with `loss.labels = "data"`, from the row's tokens.
-    `on_device`: the row's ids, positions, document ids and anchors, already put. Shared by
-    the colocated trainer and the split placement's target ranks."""
-    ids, positions, docs, anchors = on_device
-    label_pos = put(row.label_positions) if loss.labels == "target" else None
-    features, next_tokens = target.forward_packed(ids, positions, docs, label_pos, loss.chunk_rows)
-    if next_tokens is None:
-        next_tokens = data_next_tokens(ids, anchors, block)
-    return features, next_tokens
-
-
 class Trainer:
-    """The drafter side of a run: colocated (with its own target) or split (fed by a target
-    rank). `target_model` and `dataset` may be passed in already built (benchmarks, tests)."""
+    """The drafter side of a run. Where the target's features come from (this rank's own
+    target, or a target rank) is the feature source's business, not the trainer's.
+    `target_model` may be passed in already built (benchmarks, tests)."""
 
     def __init__(self, plan: RunPlan, target_model: Any = None) -> None:
         config, info = plan.config, plan.info
@@ -397,29 +97,11 @@ class Trainer:
                 config, self.drafter_config, plan.target_config, drafter_params, self.device
             )
             if self.placement.is_logger and self.device.type == "cuda":
-                print(f"flashdraft train: memory estimate per GPU\n{estimate.table()}", flush=True)
-        self.target: Target | None = None
-        self.channel: FeatureChannel | None = None
-        if self.placement.role == "drafter":
-            dtype = DTYPES[resolve_dtype(config.target.dtype, self.device.type)]
-            self.head = _remote_head(plan, dtype)
-            self.channel = FeatureChannel(
-                self.placement.feeder,
-                (
-                    1,
-                    config.data.row_tokens,
-                    self.drafter_config.num_taps * self.drafter_config.hidden_size,
-                ),
-                (1, config.loss.anchors, self.block - 1),
-                dtype,
-                self.device,
-                config.parallel.queue_depth,
-            )
-        else:
-            self.target = _load_target(plan, target_model, self.backend)
-            self.head = self.target.head
+                log.info(f"flashdraft train: memory estimate per GPU\n{estimate.table()}")
+        self.source = open_feature_source(plan, self.backend, target_model)
+        self.target, self.head = self.source.target, self.source.head
 
-        self.drafter = load_drafter_init(config, self.drafter_config).to(self.device)
+        self.drafter = initial_drafter(config, self.drafter_config).to(self.device)
         if config.compile and self.device.type == "cuda":
             compile_drafter(self.drafter)
         self.model = wrap_drafter(
@@ -429,18 +111,11 @@ class Trainer:
             self.placement.group,
             self.placement.dp_world,
         )
-        optim = config.optim
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=optim.lr,
-            betas=(optim.betas[0], optim.betas[1]),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            fused=self.device.type == "cuda",
-        )
+        self.optimizer = build_optimizer(self.drafter, config.optim, self.device)
         self.step, self.cursor = plan.start_step, plan.start_cursor
         if plan.resume_from is not None:
             load_checkpoint(plan.resume_from, self.drafter, self.optimizer)
+        self.guard = FiniteGuard(self.optimizer, self.device, self.step)
         self.logger = (
             MetricsLogger(
                 self.run_dir,
@@ -453,51 +128,43 @@ class Trainer:
             else None
         )
         self.stopwatch = Stopwatch(self.device)
-        self._remaining = (plan.total_steps - plan.start_step) * config.optim.grad_accum
         # The same decision on every rank (logging is collective); only the logger evaluates.
         self.eval_on = config.eval.every > 0 and self.target is not None
         self.eval_prompts = self._eval_prompts()
         self.best_tau = self._best_so_far()
         if self.placement.is_logger:
-            self._announce()
+            log.info(self._banner())
 
-    def _announce(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        c, plan = self.drafter_config, self.plan
+    def _banner(self) -> str:
+        c, plan, config = self.drafter_config, self.plan, self.config
         where = (
             f"{self.placement.dp_world} drafter replica(s)"
             if self.placement.kind == "colocated"
             else f"{len(self.placement.target_ranks)} target + {self.placement.dp_world} drafter rank(s)"
         )
-        long_samples = int((self.stream.num_tokens > self.config.data.row_tokens).sum())
+        long_samples = int((self.stream.num_tokens > config.data.row_tokens).sum())
         # What the modules are, not what was asked for: a sharding that did not happen shows.
         if isinstance(self.drafter.layers[0], FSDPModule):
             where += " (drafter sharded, FSDP2)"
         if self.target is not None and isinstance(decoder_layers(self.target.model)[0], FSDPModule):
             where += f"; target layers sharded over {self.info.world} ranks (FSDP2)"
-        print(
-            f"flashdraft train: target {self.config.target.path} "
-            f"({c.num_target_layers} layers), taps {c.target_layer_ids}, "
-            f"mask token {c.mask_token_id} ({plan.mask_note})\n"
+        lines = [
+            f"flashdraft train: target {config.target.path} ({c.num_target_layers} layers), "
+            f"taps {c.target_layer_ids}, mask token {c.mask_token_id} ({plan.mask_note})",
             f"  drafter {c.num_hidden_layers} layers x {c.hidden_size}, "
             f"{param_count(self.drafter) / 1e6:.1f}M params, B={c.block_size}, "
-            f"A={self.config.loss.anchors}; {len(self.dataset)} samples -> {plan.total_rows} rows "
-            f"of {self.config.data.row_tokens} tokens over {self.config.optim.epochs} epoch(s); "
-            f"{self.total_steps} steps of {self.rows_per_step} rows; {self.placement.kind}: {where}"
-            + (
-                f"\n  {long_samples:,} sample(s) longer than a row: "
-                f"{self.config.data.overlong} (data.overlong)"
-                if long_samples
-                else ""
+            f"A={config.loss.anchors}; {len(self.dataset)} samples -> {plan.total_rows} rows "
+            f"of {config.data.row_tokens} tokens over {config.optim.epochs} epoch(s); "
+            f"{self.total_steps} steps of {self.rows_per_step} rows; {self.placement.kind}: {where}",
+        ]
+        if long_samples:
+            lines.append(
+                f"  {long_samples:,} sample(s) longer than a row: "
+                f"{config.data.overlong} (data.overlong)"
             )
-            + (
-                f"\n  resuming from {plan.resume_from} at step {self.step}"
-                if plan.resume_from
-                else ""
-            ),
-            flush=True,
-        )
+        if plan.resume_from:
+            lines.append(f"  resuming from {plan.resume_from} at step {self.step}")
+        return "\n".join(lines)
 
     # ---- in-training eval: the real decode loop on held-out prompts ----
 
@@ -510,15 +177,12 @@ class Trainer:
         if not self.placement.is_logger:
             return []
         if self.target is None:
-            print(
+            log.warning(
                 "flashdraft train: in-training eval needs the target on the logging rank; with "
-                "the split placement it is skipped (run `flashdraft eval` on checkpoints)",
-                flush=True,
+                "the split placement it is skipped (run `flashdraft eval` on checkpoints)"
             )
             return []
         from transformers import AutoTokenizer
-
-        from flashdraft.eval.evaluate import load_prompts
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.target.path)
         return load_prompts(section.prompts, self.tokenizer, limit=section.num_prompts)
@@ -534,11 +198,6 @@ class Trainer:
         gathered: a collective over the drafter replicas, so every drafter rank calls this."""
         if self.config.parallel.drafter_sharding != "fsdp" or self.placement.dp_world <= 1:
             return self.drafter
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
         options = StateDictOptions(full_state_dict=True)
         full = DFlashDrafter(self.drafter_config)
         full.load_state_dict(get_model_state_dict(self.drafter, options=options))
@@ -547,8 +206,6 @@ class Trainer:
     def _evaluate(self, drafter: DFlashDrafter) -> dict[str, Any]:
         """eval_* fields for this step's record; keeps the best-by-tau serving export.
         `drafter` is the whole drafter (`_full_drafter`)."""
-        from flashdraft.eval.evaluate import evaluate_drafter
-
         assert self.target is not None
         # An eager bf16/fp32 copy: the decode context grows every step, which the compiled
         # (static-shape) training layers must not see.
@@ -582,18 +239,12 @@ class Trainer:
 
     # ---- the step ----
 
-    def _batch(self, row: Row) -> DraftBatch:
+    def make_batch(self, row: Row) -> DraftBatch:
+        """One row on the device, with the target's features and labels from the source."""
         put = device_put(self.device)
         on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
+        features, next_tokens = self.source.outputs(row, on_device)
         ids, positions, docs, anchors = on_device
-        if self.channel is not None:
-            features, next_tokens = self.channel.receive(self._remaining)
-            self._remaining -= 1
-        else:
-            assert self.target is not None
-            features, next_tokens = target_outputs(
-                self.target, row, on_device, put, self.config.loss, self.block
-            )
         return DraftBatch(
             input_ids=ids,
             position_ids=positions,
@@ -605,22 +256,23 @@ class Trainer:
             next_tokens=next_tokens,
         )
 
-    def train_step(self, rows: list[Row], interval: Interval) -> Tensor:
-        # The global loss normaliser: known from the CPU rows, one all-reduce per step. The
-        # copy to the device goes through pinned memory, asynchronously: no host sync.
+    def _normaliser(self, rows: list[Row]) -> Tensor:
+        """The global loss normaliser of a step: known from the CPU rows, one all-reduce per
+        step. The copy to the device goes through pinned memory, asynchronously: no host sync."""
         local = sum((r.normaliser_mask.double() * self.slot_w_cpu).sum() for r in rows)
         assert isinstance(local, Tensor)
         if self.device.type == "cuda":
             local = local.reshape(1).pin_memory()
-        normaliser = (
-            dp_all_reduce_sum(local.to(self.device, non_blocking=True), self.placement)
-            .float()
-            .reshape(())
-        )
+        summed = dp_all_reduce_sum(local.to(self.device, non_blocking=True), self.placement)
+        return summed.float().reshape(())
+
+    def train_step(self, rows: list[Row], interval: Interval) -> Tensor:
+        normaliser = self._normaliser(rows)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        step_loss = torch.zeros((), device=self.device)
         for m, row in enumerate(rows):
             t0 = self.stopwatch.mark()
-            batch = self._batch(row)
+            batch = self.make_batch(row)
             t1 = self.stopwatch.mark()
             last = m == len(rows) - 1
             with gradient_sync(self.model, enabled=last):  # reduce on the last row only
@@ -638,6 +290,7 @@ class Trainer:
                 # Data parallel wrappers average gradients over ranks; the loss is already
                 # this rank's share of the global sum, so undo the average.
                 (loss * self.placement.dp_world).backward()
+            step_loss += loss.detach()
             t2 = self.stopwatch.mark()
             self.stopwatch.add("target", t0, t1)
             self.stopwatch.add("drafter", t1, t2)
@@ -645,13 +298,26 @@ class Trainer:
             interval.tokens += row.tokens
             interval.rows += 1
         grad_norm = nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+        self.guard.observe(step_loss, grad_norm)
         lr = lr_at(self.step, self.total_steps, self.config.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.guard.step()
         self.optimizer.zero_grad(set_to_none=True)
         interval.steps += 1
         return grad_norm
+
+    def _check_finite(self) -> None:
+        """Stop the run at a non-finite step (collective over the replicas; a host sync)."""
+        bad = self.guard.first_bad_step(self.placement)
+        if bad is None:
+            return
+        latest = latest_checkpoint(self.run_dir)
+        where = f"the last checkpoint, {latest}," if latest else "no checkpoint was written; it"
+        raise FloatingPointError(
+            f"loss is not finite at step {bad}; stopping ({where} holds finite weights: lower "
+            "optim.lr or check the data, then resume)"
+        )
 
     def _log(
         self,
@@ -687,7 +353,7 @@ class Trainer:
             "blocks": summary["blocks"],
             **(extra or {}),
         }
-        if not math.isfinite(record["loss"]):
+        if not math.isfinite(record["loss"]):  # the guard sees every step; this is a backstop
             raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping")
         if self.logger is not None:
             self.logger.log(record)
@@ -717,29 +383,25 @@ class Trainer:
             self.logger.sync()
         dp_barrier(self.placement)
 
-    def fit(self) -> dict[str, Any]:
+    def _progress_bar(self) -> Any:
+        if not (self.placement.is_logger and self.config.log.progress):
+            return None
         from tqdm import tqdm
 
-        config = self.config
-        progress = (
-            tqdm(
-                total=self.total_steps,
-                initial=self.step,
-                desc="train",
-                unit="step",
-                dynamic_ncols=True,
-            )
-            if self.placement.is_logger and config.log.progress
-            else None
+        return tqdm(
+            total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
         )
+
+    def fit(self) -> dict[str, Any]:
+        config = self.config
+        progress = self._progress_bar()
         rows = self.stream.iterate(
             self.plan.positions(self.placement.dp_rank),
             config.data.prefetch if config.parallel.overlap else 0,
         )
         interval, last_record = Interval(), {}
-        g = config.optim.grad_accum
         while self.step < self.total_steps:
-            step_rows = [next(rows) for _ in range(g)]
+            step_rows = [next(rows) for _ in range(config.optim.grad_accum)]
             grad_norm = self.train_step(step_rows, interval)
             self.step += 1
             self.cursor += self.rows_per_step
@@ -752,6 +414,7 @@ class Trainer:
             eval_now = self.eval_on and (self.step % config.eval.every == 0 or finished)
             # Log at every checkpoint too, so a resumed run logs exactly the same intervals.
             if self.step % config.log.every == 0 or checkpoint_now or finished or eval_now:
+                self._check_finite()  # before anything is evaluated, logged or written
                 extra = {}
                 if eval_now:
                     whole = self._full_drafter()  # every drafter rank: gathering is collective
@@ -762,23 +425,27 @@ class Trainer:
                 self._checkpoint()
         if progress is not None:
             progress.close()
+        self._export()
+        return last_record
+
+    def _export(self) -> None:
+        """The serving-format drafter of the finished run, written and checked by reloading."""
         whole = self._full_drafter()
         if self.placement.is_logger:
             export = storage.join(self.run_dir, "export")
             save_dflash(whole, export)
             verify_export(whole, export)
-            print(f"flashdraft train: done; serving-format drafter in {export}", flush=True)
+            log.info(f"flashdraft train: done; serving-format drafter in {export}")
         if self.logger is not None:
             self.logger.close()
         barrier(self.info)
-        return last_record
 
 
 def train(
     config: RunConfig, resume: bool = False, target_model: Any = None, dataset: Any = None
 ) -> dict[str, Any]:
     """Run (or resume) a training run on this process's rank; returns the last logged metrics
-    record on the logging rank (empty elsewhere)."""
+    record on the logging rank (empty elsewhere), and prints it as `{"final": ...}`."""
     info = init_distributed(config.device)
     record: dict[str, Any] = {}
     try:
@@ -793,5 +460,7 @@ def train(
     finally:
         shutdown(info)
     if record:
+        # Printed, not logged: the machine-readable result, which neither a rank tag nor the
+        # log level may change (as `benchutil.print_json`).
         print(json.dumps({"final": record}), flush=True)
     return record

@@ -10,14 +10,8 @@ import numpy as np
 import pytest
 
 from flashdraft import cli
-from flashdraft.data.audit import Thresholds, audit_dataset, format_preview, normalized_keys
+from flashdraft.data.audit import AuditConfig, Thresholds, audit, audit_dataset, normalized_keys
 from flashdraft.data.dataset import open_dataset, write_dataset
-from flashdraft.data.template import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def qwen3(qwen3_tokenizer_dir: Path) -> Any:
-    return load_tokenizer(qwen3_tokenizer_dir)
 
 
 def sample(
@@ -48,9 +42,11 @@ def write(tmp_path: Path, name: str, rows: list[Any], tokenizer_dir: Path, **man
     return url
 
 
-def test_healthy_data_passes(tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Path) -> None:
-    url = write(tmp_path, "ok", healthy(qwen3, 50), qwen3_tokenizer_dir)
-    report = audit_dataset(open_dataset(url), qwen3, Thresholds())
+def test_healthy_data_passes(
+    tmp_path: Path, qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path
+) -> None:
+    url = write(tmp_path, "ok", healthy(qwen3_tokenizer, 50), qwen3_tokenizer_dir)
+    report = audit_dataset(open_dataset(url), qwen3_tokenizer, Thresholds())
     assert report.problems == []
     assert report.samples == 50 and report.repeated == 0 and report.all_ones == 0
     assert sum(c for _, _, c in report.loss_histogram) == 50
@@ -58,15 +54,18 @@ def test_healthy_data_passes(tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Pa
 
 
 def test_the_six_boilerplate_tokens_case_is_an_error(
-    tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    qwen3_tokenizer: Any,
+    qwen3_tokenizer_dir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # 87% of samples train only an empty think block and "OK." (the incident in the issue).
-    rows = healthy(qwen3, 13) + [
-        chat(qwen3, 100 + i, "<think>\n\n</think>\n\nOK.") for i in range(87)
+    rows = healthy(qwen3_tokenizer, 13) + [
+        chat(qwen3_tokenizer, 100 + i, "<think>\n\n</think>\n\nOK.") for i in range(87)
     ]
     assert int(rows[-1][1].sum()) == 6
     url = write(tmp_path, "six", rows, qwen3_tokenizer_dir)
-    report = audit_dataset(open_dataset(url), qwen3, Thresholds())
+    report = audit_dataset(open_dataset(url), qwen3_tokenizer, Thresholds())
     assert report.repeated == 86 and report.identical == 86
     assert report.median_loss_tokens == 6
     assert report.top_repeats[0].count == 87
@@ -81,38 +80,42 @@ def test_the_six_boilerplate_tokens_case_is_an_error(
 
 
 def test_near_identical_ignores_case_whitespace_and_punctuation(
-    tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Path
+    tmp_path: Path, qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path
 ) -> None:
     answers = ["OK.<|im_end|>", "ok!<|im_end|>", " Ok<|im_end|>", "OK<|im_end|>"]
-    rows = healthy(qwen3, 36) + [chat(qwen3, 50 + i, a) for i, a in enumerate(answers)]
+    rows = healthy(qwen3_tokenizer, 36) + [
+        chat(qwen3_tokenizer, 50 + i, a) for i, a in enumerate(answers)
+    ]
     url = write(tmp_path, "near", rows, qwen3_tokenizer_dir)
-    report = audit_dataset(open_dataset(url), qwen3, Thresholds(min_median_loss_tokens=0))
+    report = audit_dataset(open_dataset(url), qwen3_tokenizer, Thresholds(min_median_loss_tokens=0))
     assert report.identical == 0
     assert report.repeated == 3
     assert report.problems == []  # 3 of 40 is under the 10% default
-    strict = audit_dataset(open_dataset(url), qwen3, Thresholds(max_repeated_share=0.05))
+    strict = audit_dataset(open_dataset(url), qwen3_tokenizer, Thresholds(max_repeated_share=0.05))
     assert len(strict.problems) == 1 and "ignoring case" in strict.problems[0]
     # Without a tokenizer, only identical token sequences count.
     assert audit_dataset(open_dataset(url), None, Thresholds()).repeated == 0
 
 
-def test_non_latin_text_is_not_mistaken_for_empty(qwen3: Any) -> None:
-    keys = normalized_keys(qwen3)
-    ids = qwen3.encode("你好世界", add_special_tokens=False)
+def test_non_latin_text_is_not_mistaken_for_empty(qwen3_tokenizer: Any) -> None:
+    keys = normalized_keys(qwen3_tokenizer)
+    ids = qwen3_tokenizer.encode("你好世界", add_special_tokens=False)
     assert all(keys[i] != 0 for i in ids)
-    assert keys[qwen3.convert_tokens_to_ids("<|im_end|>")] == 0
-    assert keys[qwen3.encode("!", add_special_tokens=False)[0]] == 0
+    assert keys[qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")] == 0
+    assert keys[qwen3_tokenizer.encode("!", add_special_tokens=False)[0]] == 0
 
 
 def test_all_ones_empty_and_truncated(
-    tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Path
+    tmp_path: Path, qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path
 ) -> None:
-    rows = healthy(qwen3, 40)
-    ids = np.array(qwen3.encode("no assistant marker at all", add_special_tokens=False), np.int32)
+    rows = healthy(qwen3_tokenizer, 40)
+    ids = np.array(
+        qwen3_tokenizer.encode("no assistant marker at all", add_special_tokens=False), np.int32
+    )
     rows.append((ids, np.ones_like(ids, dtype=np.int8), "x:1"))
-    rows.append(chat(qwen3, 99, "...<|im_end|>"))  # only punctuation and end of turn
+    rows.append(chat(qwen3_tokenizer, 99, "...<|im_end|>"))  # only punctuation and end of turn
     url = write(tmp_path, "bad", rows, qwen3_tokenizer_dir, counts={"samples": 42, "truncated": 10})
-    report = audit_dataset(open_dataset(url), qwen3, Thresholds())
+    report = audit_dataset(open_dataset(url), qwen3_tokenizer, Thresholds())
     assert (report.all_ones, report.empty, report.truncated) == (1, 1, 10)
     text = " ".join(report.problems)
     assert "all-ones loss mask" in text
@@ -120,24 +123,13 @@ def test_all_ones_empty_and_truncated(
     assert "truncated at --max-length" in text
 
 
-def test_preview_highlights_trained_tokens(
-    tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Path
-) -> None:
-    url = write(tmp_path, "ok", healthy(qwen3, 3), qwen3_tokenizer_dir)
-    dataset = open_dataset(url)
-    plain = format_preview(dataset, [1], qwen3, color=False)
-    assert (
-        "<|im_start|>assistant\n[[Answer 1: the value is 7 because of reason 1.<|im_end|>]]"
-        in plain
-    )
-    colored = format_preview(dataset, [1], qwen3, color=True)
-    assert "\x1b[1;32mAnswer 1" in colored and "[[" not in colored
-
-
 def test_audit_json(
-    tmp_path: Path, qwen3: Any, qwen3_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    qwen3_tokenizer: Any,
+    qwen3_tokenizer_dir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    url = write(tmp_path, "ok", healthy(qwen3, 5), qwen3_tokenizer_dir)
+    url = write(tmp_path, "ok", healthy(qwen3_tokenizer, 5), qwen3_tokenizer_dir)
     assert cli.main(["audit", url, "--json", "--preview", "2", "--seed", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["samples"] == 5 and report["problems"] == []
@@ -146,5 +138,26 @@ def test_audit_json(
 
 
 def test_thresholds_are_validated() -> None:
-    with pytest.raises(ValueError, match="max-repeated-share"):
+    with pytest.raises(ValueError, match=r"max_repeated_share = 2\.0 is not allowed"):
         Thresholds(max_repeated_share=2.0)
+    with pytest.raises(ValueError, match="min_median_loss_tokens = -1"):
+        Thresholds(min_median_loss_tokens=-1)
+
+
+def test_audit_entry_point_text_and_json(
+    tmp_path: Path, qwen3_tokenizer: Any, qwen3_tokenizer_dir: Path
+) -> None:
+    """`audit(AuditConfig)` is what the command prints: the report (and a preview), or JSON."""
+    url = write(tmp_path, "ok", healthy(qwen3_tokenizer, 6), qwen3_tokenizer_dir)
+    report, text = audit(AuditConfig(datasets=[url], preview=1))
+    assert report.samples == 6 and report.problems == []
+    assert text.startswith("samples          6") and "all checks passed" in text
+    assert "preview of 1 sample(s)" in text
+    report, output = audit(AuditConfig(datasets=[url], json_output=True))
+    assert json.loads(output)["samples"] == 6 and json.loads(output)["preview"] == []
+    # Without a loadable tokenizer, the report says so and compares token ids only.
+    _, text = audit(AuditConfig(datasets=[url], tokenizer=str(tmp_path / "missing")))
+    assert text.startswith("note: cannot load the tokenizer")
+    assert "by token ids (tokenizer unavailable)" in text
+    with pytest.raises(ValueError, match="datasets"):
+        AuditConfig(datasets=[])

@@ -11,8 +11,12 @@ import pytest
 
 from flashdraft.data.dataset import (
     PreparedDataset,
+    ShardStore,
     open_dataset,
     open_datasets,
+    record_batch,
+    stream_bytes,
+    token_counts,
     write_dataset,
 )
 
@@ -112,8 +116,6 @@ def test_clear_errors_for_what_is_not_a_prepared_dataset(tmp_path: Path) -> None
 
 
 def test_shard_store_resumes_only_matching_shards(tmp_path: Path) -> None:
-    from flashdraft.data.dataset import ShardStore, record_batch, stream_bytes
-
     out = str(tmp_path / "out")
     settings = {"tokenizer": "abc", "turns": "all"}
     store = ShardStore(out, settings, overwrite=False)
@@ -132,3 +134,17 @@ def test_shard_store_resumes_only_matching_shards(tmp_path: Path) -> None:
         ShardStore(out, {**settings, "turns": "last"}, overwrite=False)
     ShardStore(out, {**settings, "turns": "last"}, overwrite=True)
     assert not (tmp_path / "out" / names[0]).exists()
+
+
+def test_token_counts_come_from_the_count_columns(tmp_path: Path) -> None:
+    written = rows(9)
+    counts = token_counts(record_batch(written))
+    assert counts == {
+        "samples": 9,
+        "tokens": sum(len(ids) for ids, _, _ in written),
+        "loss_tokens": sum(int(mask.sum()) for _, mask, _ in written),
+    }
+    assert token_counts(record_batch([])) == {"samples": 0, "tokens": 0, "loss_tokens": 0}
+    write_dataset(str(tmp_path / "ds"), written, shards=2)
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert manifest["counts"] == counts

@@ -14,6 +14,7 @@ from flashdraft.data.formats import (
     Message,
     RecordError,
     parse_line,
+    parse_prompt,
     parse_record,
     read_conversations,
     read_records,
@@ -120,6 +121,59 @@ def test_tools_are_read_from_the_record() -> None:
 def test_bad_records_name_their_reason(record: Any, reason: str) -> None:
     with pytest.raises(RecordError, match=reason):
         parse_record(record)
+
+
+def test_prompts_may_end_in_a_user_or_tool_turn() -> None:
+    user = {"role": "user", "content": "Hi"}
+    hello = {"role": "assistant", "content": "Hello"}
+    (only,) = parse_prompt({"messages": [user]})
+    assert (only.role, only.content) == ("user", "Hi")
+    assert [m.role for m in parse_prompt({"messages": [user, hello, user]})] == [
+        "user",
+        "assistant",
+        "user",
+    ]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}
+    tool = {"role": "tool", "content": "42"}
+    assert [m.role for m in parse_prompt({"messages": [user, call, tool]})][-1] == "tool"
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+        ]
+    }
+    assert [m.role for m in parse_prompt(sharegpt)] == ["system", "user"]
+    # A prompt record without a completion, in either prompt form.
+    assert parse_prompt({"prompt": "Hi", "system": "Be brief."}) == [
+        Message("system", "Be brief."),
+        Message("user", "Hi"),
+    ]
+    assert parse_prompt({"prompt": [user]}) == [Message("user", "Hi")]
+    # Whole conversations are read as parse_record reads them.
+    whole = {"messages": [user, hello]}
+    assert parse_prompt(whole) == parse_record(whole)
+    done = {"prompt": "Hi", "completion": "Hello"}
+    assert parse_prompt(done) == parse_record(done)
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ([1], "not an object"),
+        ({"text": "hi"}, "none of 'messages'"),
+        ({"messages": []}, "conversation is empty"),
+        ({"messages": [{"role": "system", "content": "s"}]}, "must start with a user turn"),
+        # Nothing to answer after an assistant turn of the prompt itself.
+        ({"prompt": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+         "two assistant turns in a row at turn 2"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+         "two user turns in a row"),
+        ({"prompt": "a", "completion": None}, "no 'completion' or 'response'"),
+    ],
+)  # fmt: skip
+def test_bad_prompts_name_their_reason(record: Any, reason: str) -> None:
+    with pytest.raises(RecordError, match=reason):
+        parse_prompt(record)
 
 
 def test_bad_lines() -> None:

@@ -1,3 +1,8 @@
+"""`flashdraft generate`: the config and its recorded settings, reading jobs, the whole run
+(a scripted backend for the bookkeeping, the real SmolLM2 for the rest), resume after a kill."""
+
+from __future__ import annotations
+
 import json
 import os
 import signal
@@ -14,28 +19,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flashdraft import cli
-from flashdraft.data.formats import Message, RecordError, parse_record
+from flashdraft.data.formats import Message, parse_record
 from flashdraft.data.generate import (
-    BadInput,
     GenerateConfig,
-    Job,
-    OutputLog,
     Summary,
-    batch_seed,
-    drop_partial_line,
-    jobs_from_record,
-    make_record,
-    plan_batches,
+    generate,
     read_jobs,
-    record_key,
-    rejected_url,
     render_prompt,
     run_generation,
-    split_reasoning,
 )
 from flashdraft.data.inference import Generated, HFBackend, Sampling
+from flashdraft.data.jobs import BadInput, Job
+from flashdraft.data.output_log import rejected_url
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_EOS = 2
 
 
@@ -66,65 +63,6 @@ def _config(prompts: Path, output: Path | str, **kw: Any) -> GenerateConfig:
 # Inputs and ids
 
 
-def test_messages_regenerate_the_last_or_every_assistant_turn() -> None:
-    record = {
-        "id": "chat-1",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"},
-            {"role": "user", "content": "Bye"},
-            {"role": "assistant", "content": "Bye!"},
-        ],
-    }
-    (last,) = jobs_from_record(record, "f:1", "last")
-    assert last.id == "chat-1#4"
-    assert [m.role for m in last.prompt] == ["system", "user", "assistant", "user"]
-    every = jobs_from_record(record, "f:1", "all")
-    assert [j.id for j in every] == ["chat-1#2", "chat-1#4"]
-    assert [m.content for m in every[0].prompt] == ["Be brief.", "Hi"]
-
-
-def test_a_conversation_ending_in_a_user_turn_asks_for_the_next_turn() -> None:
-    record = {"messages": [{"role": "user", "content": "Hi"}]}
-    (job,) = jobs_from_record(record, "f:1", "last")
-    assert job.id == f"{record_key(record)}#1"
-    assert [m.content for m in job.prompt] == ["Hi"]
-    sharegpt = {
-        "conversations": [
-            {"from": "human", "value": "Hi"},
-            {"from": "gpt", "value": "Hello"},
-            {"from": "human", "value": "Bye"},
-        ]
-    }
-    assert [j.id.split("#")[1] for j in jobs_from_record(sharegpt, "f:2", "all")] == ["1", "3"]
-
-
-def test_prompt_records_with_or_without_completion() -> None:
-    (bare,) = jobs_from_record({"prompt": "Hi", "system": "Be brief."}, "f:1", "last")
-    assert [(m.role, m.content) for m in bare.prompt] == [("system", "Be brief."), ("user", "Hi")]
-    (answered,) = jobs_from_record({"id": 7, "prompt": "Hi", "completion": "Hello"}, "f:2", "all")
-    assert answered.id == "7#1"
-    assert [m.content for m in answered.prompt] == ["Hi"]
-
-
-def test_bad_records_raise_with_the_reason() -> None:
-    with pytest.raises(RecordError, match="start with a user turn"):
-        jobs_from_record({"messages": [{"role": "assistant", "content": "x"}]}, "f:1", "last")
-    with pytest.raises(RecordError, match="none of"):
-        jobs_from_record({"text": "x"}, "f:1", "last")
-    with pytest.raises(RecordError, match="not an object"):
-        jobs_from_record([1], "f:1", "last")
-
-
-def test_ids_are_stable_and_content_derived_without_an_id() -> None:
-    a = {"prompt": "Hi"}
-    assert record_key(a) == record_key({"prompt": "Hi"}) == record_key(json.loads(json.dumps(a)))
-    assert record_key(a) != record_key({"prompt": "Hi!"})
-    assert record_key({"id": "x", "prompt": "Hi"}) == "x"
-    assert len(record_key(a)) == 16
-
-
 def test_read_jobs_counts_bad_lines_duplicates_limit_and_shards(tmp_path: Path) -> None:
     prompts = tmp_path / "in.jsonl"
     records = [{"id": f"p{i}", "prompt": f"q{i}"} for i in range(6)]
@@ -144,7 +82,7 @@ def test_read_jobs_counts_bad_lines_duplicates_limit_and_shards(tmp_path: Path) 
     assert _ids(read_jobs(limited, set(), Summary())) == ["p0#1", "p1#1"]
     shards = [
         set(_ids(read_jobs(_config(prompts, tmp_path / "o.jsonl", **kw), set(), Summary())))
-        for kw in ({"shard_index": 0, "num_shards": 2}, {"shard_index": 1, "num_shards": 2})
+        for kw in ({"shard": "0/2"}, {"shard": "1/2"})
     ]
     assert shards[0].isdisjoint(shards[1])
     assert shards[0] | shards[1] == {f"p{i}#1" for i in range(6)}
@@ -174,6 +112,54 @@ def test_config_rejects_outputs_that_cannot_be_appended(tmp_path: Path) -> None:
     assert rejected_url("/x/out.jsonl") == "/x/out.rejected.jsonl"
 
 
+def test_config_checks_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"shard = '2/2' is not allowed: K/N with 0 <= K < N"):
+        GenerateConfig(target="m", prompts=["p"], output="o.jsonl", shard="2/2")
+    with pytest.raises(ValueError, match=r"shard = '1-2'"):
+        GenerateConfig(target="m", prompts=["p"], output="o.jsonl", shard="1-2")
+    with pytest.raises(ValueError, match=r"dtype = 'int8'"):
+        GenerateConfig(target="m", prompts=["p"], output="o.jsonl", dtype="int8")
+    with pytest.raises(ValueError, match=r"prompts"):
+        GenerateConfig(target="m", prompts=[], output="o.jsonl")
+    config = GenerateConfig(target="m", prompts=["p"], output="o.jsonl", shard="3/8")
+    assert (config.shard_index, config.num_shards) == (3, 8)
+
+
+def test_recorded_settings_of_a_default_config_are_pinned() -> None:
+    """Every record carries these settings and a resumed run must match them exactly, so
+    outputs written by earlier versions must still compare equal."""
+    config = GenerateConfig(target="/models/Qwen3-8B/", prompts=["p"], output="o.jsonl")
+    assert list(config.settings([151645, 151643]).items()) == [
+        ("target", "Qwen3-8B"),
+        ("thinking", False),
+        ("temperature", 0.0),
+        ("top_p", 1.0),
+        ("top_k", 0),
+        ("max_new_tokens", 2048),
+        ("seed", 0),
+        ("stop_token_ids", [151645, 151643]),
+    ]
+    other = GenerateConfig(
+        target="m",
+        prompts=["p"],
+        output="o.jsonl",
+        thinking="on",
+        sampling=Sampling(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=64),
+        seed=3,
+        batch_size=4,  # batching is not a setting: it may differ on resume
+    )
+    assert other.settings([2]) == {
+        "target": "m",
+        "thinking": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_new_tokens": 64,
+        "seed": 3,
+        "stop_token_ids": [2],
+    }
+
+
 def test_qwen3_prompt_follows_the_thinking_switch(qwen3_tokenizer_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
     prompt = [Message("user", "Hi")]
@@ -181,102 +167,6 @@ def test_qwen3_prompt_follows_the_thinking_switch(qwen3_tokenizer_dir: Path) -> 
     on = tokenizer.decode(render_prompt(tokenizer, prompt, thinking=True))
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.endswith("<|im_start|>assistant\n")
-
-
-# ---------------------------------------------------------------------------------------------
-# Batching
-
-
-def test_batches_sort_by_length_and_respect_size_and_token_budget() -> None:
-    lengths = [5, 50, 7, 48, 6, 30]
-    batches = plan_batches(lengths, batch_size=2, max_batch_tokens=None, max_new_tokens=10)
-    assert batches == [[1, 3], [5, 2], [4, 0]]
-    budget = plan_batches(lengths, batch_size=8, max_batch_tokens=130, max_new_tokens=10)
-    assert sorted(i for b in budget for i in b) == list(range(6))
-    for batch in budget:
-        assert len(batch) == 1 or len(batch) * (max(lengths[i] for i in batch) + 10) <= 130
-    assert budget[0] == [1, 3]  # 2 × (50 + 10) = 120 fits, a third row would not
-
-
-def test_batch_seed_depends_on_seed_and_batch_only() -> None:
-    assert batch_seed(0, ["a", "b"]) == batch_seed(0, iter(["a", "b"]))
-    assert len({batch_seed(0, ["a", "b"]), batch_seed(1, ["a", "b"]), batch_seed(0, ["b"])}) == 3
-
-
-# ---------------------------------------------------------------------------------------------
-# Records
-
-
-def test_split_reasoning() -> None:
-    assert split_reasoning("<think>\nhmm\n</think>\n\nYes.") == ("hmm", "Yes.", True)
-    # The template opened the block in the prompt: the output only closes it.
-    assert split_reasoning("hmm</think>\n\nYes.") == ("hmm", "Yes.", True)
-    assert split_reasoning("Yes.") == (None, "Yes.", True)
-    assert split_reasoning("<think>\nhmm, and then") == ("hmm, and then", "", False)
-
-
-def test_records_round_trip_through_parse_record() -> None:
-    (job,) = jobs_from_record(
-        {"id": "r", "prompt": [{"role": "user", "content": "Hi"}]}, "f:1", "last"
-    )
-    settings = {"thinking": True}
-    out = Generated([1, 2, 3], "stop")
-    record, reason = make_record(job, [9] * 5, out, "<think>\nhmm\n</think>\n\nHello.", settings)
-    assert reason is None
-    assert (record["prompt_tokens"], record["completion_tokens"]) == (5, 4)
-    assert parse_record(json.loads(json.dumps(record))) == [
-        Message("user", "Hi"),
-        Message("assistant", "Hello.", "hmm"),
-    ]
-    for text, finish_reason, why in [
-        ("Hello", "length", "length"),
-        (" \n", "stop", "empty"),
-        ("<think>\nhmm", "stop", "unclosed_think"),
-        ("<think>hmm</think>\n", "stop", "empty"),
-    ]:
-        rejected, reason = make_record(job, [9], Generated([1], finish_reason), text, settings)
-        assert (reason, rejected["reason"], rejected["text"]) == (why, why, text)
-        # A rejected record has no completion: prepare can never train on it.
-        with pytest.raises(RecordError):
-            parse_record(rejected)
-
-
-# ---------------------------------------------------------------------------------------------
-# Output file and resume
-
-
-def test_drop_partial_line_local_and_remote(tmp_path: Path) -> None:
-    path = tmp_path / "out.jsonl"
-    path.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c": ')
-    assert drop_partial_line(str(path)) == 6
-    assert path.read_bytes() == b'{"a": 1}\n{"b": 2}\n'
-    assert drop_partial_line(str(path)) == 0
-    path.write_bytes(b'{"c": ')
-    assert drop_partial_line(str(path)) == 6
-    assert path.read_bytes() == b""
-    assert drop_partial_line(str(tmp_path / "missing.jsonl")) == 0
-    with fsspec.open("memory://gen/out.jsonl", "wb") as f:
-        f.write(b'{"a": 1}\n{"b"')
-    assert drop_partial_line("memory://gen/out.jsonl") == 4
-    with fsspec.open("memory://gen/out.jsonl", "rb") as f:
-        assert f.read() == b'{"a": 1}\n'
-
-
-def test_output_log_resumes_and_refuses_other_settings(tmp_path: Path) -> None:
-    out = tmp_path / "out.jsonl"
-    settings = {"temperature": 0.0}
-    log = OutputLog(str(out))
-    log.append("ok", [{"id": "a#1", "generation": settings}])
-    log.append("rejected", [{"id": "b#1", "generation": settings}])
-    log.close()
-    with out.open("ab") as f:
-        f.write(b'{"id": "c#1", "gen')  # a crash mid-write
-    again = OutputLog(str(out))
-    assert again.done == {"a#1", "b#1"}
-    assert again.dropped_bytes > 0
-    again.check_settings(settings)
-    with pytest.raises(ValueError, match="other settings"):
-        again.check_settings({"temperature": 0.7})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,3 +348,29 @@ def test_keep_truncated_writes_cut_answers_to_the_main_output(tmp_path, smollm2_
     record = json.loads(out.read_text())
     assert record["finish_reason"] == "length" and record["completion"]
     assert record["completion_tokens"] == 4
+
+
+def test_generate_is_the_whole_command(tmp_path: Path, smollm2_dir: Path) -> None:
+    """The library entry point, called as the demo calls it."""
+    prompts = _write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "What is 2+2?"}, {"prompt": "Name a color."}]
+    )
+    out = tmp_path / "out.jsonl"
+    config = GenerateConfig(
+        target=str(smollm2_dir),
+        prompts=[str(prompts)],
+        output=str(out),
+        sampling=Sampling(temperature=0.0, max_new_tokens=4),
+        batch_size=2,
+        device="cpu",
+        keep_truncated=True,
+        progress=False,
+    )
+    summary = generate(config)
+    assert (summary.written, summary.backend) == (2, "hf")
+    assert "generate: 2 written to" in summary.describe(config.output)
+    records = _read_jsonl(out)
+    assert {r["generation"]["target"] for r in records} == {smollm2_dir.name}
+    # Other settings are refused before the target is loaded.
+    with pytest.raises(ValueError, match="other settings"):
+        generate(GenerateConfig(target=str(smollm2_dir), prompts=[str(prompts)], output=str(out)))

@@ -9,13 +9,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from flashdraft.data.formats import Message
 from flashdraft.data.generate import render_prompt
 from flashdraft.data.inference import (
+    DTYPE_CHOICES,
     Generated,
     HFBackend,
     Sampling,
+    default_device,
     finish,
     load_backend,
+    resolve_dtype,
     stop_token_ids,
 )
+from flashdraft.model.target import DTYPES
 
 SMOLLM2_EOS = 2  # <|im_end|>, from its generation_config
 
@@ -124,3 +128,12 @@ def test_vllm_backend_needs_vllm(smollm2_dir: Path) -> None:
         pytest.skip("vllm is installed")
     with pytest.raises(ValueError, match="vllm is not installed"):
         load_backend("vllm", str(smollm2_dir), Sampling(), [SMOLLM2_EOS], SMOLLM2_EOS)
+
+
+def test_device_and_dtype_defaults() -> None:
+    assert ("auto", *DTYPES) == DTYPE_CHOICES  # every dtype the target loader knows
+    assert default_device("cpu") == "cpu"
+    assert default_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("auto", "cuda:1") == "bfloat16"
+    assert resolve_dtype("float16", "cpu") == "float16"

@@ -3,7 +3,6 @@ tokenizers (SPEC section 7, trap 8)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from flashdraft.data.template import (
     RenderedSample,
     TemplateOptions,
     encode,
-    load_tokenizer,
     tokenizer_fingerprint,
 )
 
@@ -25,16 +23,6 @@ SMOL_SYSTEM = (
     "<|im_end|>\n"
 )
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-
-
-@pytest.fixture(scope="module")
-def qwen3(qwen3_tokenizer_dir: Path) -> Any:
-    return load_tokenizer(qwen3_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir: Path) -> Any:
-    return load_tokenizer(smollm2_dir)
 
 
 def two_turns(*, reasoning: bool, system: bool = True) -> dict[str, Any]:
@@ -76,10 +64,10 @@ def expected(tokenizer: Any, pieces: list[tuple[str, int]]) -> tuple[list[int], 
     return ids, mask
 
 
-def test_render_matches_apply_chat_template(qwen3: Any, smollm2: Any) -> None:
+def test_render_matches_apply_chat_template(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:
     record = two_turns(reasoning=True)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for tokenizer in (qwen3, smollm2):
+    for tokenizer in (qwen3_tokenizer, smollm2_tokenizer):
         for thinking in ("keep", "off"):
             template = ChatTemplate(tokenizer, TemplateOptions(thinking=thinking))
             messages = template.messages(parse_record(record))
@@ -97,27 +85,27 @@ def test_render_matches_apply_chat_template(qwen3: Any, smollm2: Any) -> None:
                     assert ours == theirs
 
 
-def test_encode_matches_tokenizer(qwen3: Any, smollm2: Any) -> None:
-    for tokenizer in (qwen3, smollm2):
+def test_encode_matches_tokenizer(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:
+    for tokenizer in (qwen3_tokenizer, smollm2_tokenizer):
         template = ChatTemplate(tokenizer, TemplateOptions())
         samples = template.samples(parse_record(two_turns(reasoning=False)))
         ids, _ = encode(tokenizer, samples)[0]  # type: ignore[misc]
         assert ids.tolist() == tokenizer(samples[0].text, add_special_tokens=False).input_ids
 
 
-def test_qwen3_keep_trains_think_blocks_and_splits_rewritten_turns(qwen3: Any) -> None:
+def test_qwen3_keep_trains_think_blocks_and_splits_rewritten_turns(qwen3_tokenizer: Any) -> None:
     # Qwen3 drops the reasoning of turns before the last user query, so the first turn
     # gets its own sample (rendered as when it was generated) and is trained only there.
-    first, second = encoded(qwen3, two_turns(reasoning=True), thinking="keep")
+    first, second = encoded(qwen3_tokenizer, two_turns(reasoning=True), thinking="keep")
     assert first == expected(
-        qwen3,
+        qwen3_tokenizer,
         [
             (QWEN_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
             ("<think>\ngreet back\n</think>\n\nHello!<|im_end|>", 1),
         ],
     )
     assert second == expected(
-        qwen3,
+        qwen3_tokenizer,
         [
             (QWEN_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
             ("Hello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0),
@@ -128,7 +116,7 @@ def test_qwen3_keep_trains_think_blocks_and_splits_rewritten_turns(qwen3: Any) -
 
 @pytest.mark.parametrize("thinking", ["strip", "off"])
 def test_qwen3_without_reasoning_never_trains_the_empty_think_block(
-    qwen3: Any, thinking: str
+    qwen3_tokenizer: Any, thinking: str
 ) -> None:
     pieces = [
         (QWEN_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
@@ -136,15 +124,15 @@ def test_qwen3_without_reasoning_never_trains_the_empty_think_block(
         ("\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n" + EMPTY_THINK, 0),
         ("4<|im_end|>", 1),
     ]
-    (sample,) = encoded(qwen3, two_turns(reasoning=True), thinking=thinking)
-    assert sample == expected(qwen3, pieces)
+    (sample,) = encoded(qwen3_tokenizer, two_turns(reasoning=True), thinking=thinking)
+    assert sample == expected(qwen3_tokenizer, pieces)
     # Data without reasoning under `keep`: the template's empty block stays untrained too.
-    (sample,) = encoded(qwen3, two_turns(reasoning=False), thinking="keep")
-    assert sample == expected(qwen3, pieces)
+    (sample,) = encoded(qwen3_tokenizer, two_turns(reasoning=False), thinking="keep")
+    assert sample == expected(qwen3_tokenizer, pieces)
 
 
-def test_qwen3_thinking_off_renders_the_non_thinking_prompt(qwen3: Any) -> None:
-    template = ChatTemplate(qwen3, TemplateOptions(thinking="off"))
+def test_qwen3_thinking_off_renders_the_non_thinking_prompt(qwen3_tokenizer: Any) -> None:
+    template = ChatTemplate(qwen3_tokenizer, TemplateOptions(thinking="off"))
     messages = template.messages(parse_record(two_turns(reasoning=True)))
     assert template.render(messages[:2], generation_prompt=True).endswith(
         "<|im_start|>assistant\n" + EMPTY_THINK
@@ -152,10 +140,10 @@ def test_qwen3_thinking_off_renders_the_non_thinking_prompt(qwen3: Any) -> None:
     assert "reasoning_content" not in messages[2]
 
 
-def test_qwen3_last_turn_only(qwen3: Any) -> None:
-    (sample,) = encoded(qwen3, two_turns(reasoning=True), thinking="keep", turns="last")
+def test_qwen3_last_turn_only(qwen3_tokenizer: Any) -> None:
+    (sample,) = encoded(qwen3_tokenizer, two_turns(reasoning=True), thinking="keep", turns="last")
     assert sample == expected(
-        qwen3,
+        qwen3_tokenizer,
         [
             (QWEN_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!", 0),
             ("<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0),
@@ -194,15 +182,15 @@ def tool_record() -> dict[str, Any]:
     }
 
 
-def test_qwen3_tool_turns(qwen3: Any) -> None:
-    template = ChatTemplate(qwen3, TemplateOptions(thinking="strip"))
+def test_qwen3_tool_turns(qwen3_tokenizer: Any) -> None:
+    template = ChatTemplate(qwen3_tokenizer, TemplateOptions(thinking="strip"))
     header = template.render(
         [{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, generation_prompt=True
     )
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    (sample,) = encoded(qwen3, tool_record(), thinking="strip")
+    (sample,) = encoded(qwen3_tokenizer, tool_record(), thinking="strip")
     assert sample == expected(
-        qwen3,
+        qwen3_tokenizer,
         [
             (header, 0),
             (call + "<|im_end|>", 1),
@@ -213,43 +201,31 @@ def test_qwen3_tool_turns(qwen3: Any) -> None:
     )
     # With reasoning kept, both turns follow the last user query: Qwen3 keeps both think
     # blocks in the full rendering, so no split is needed.
-    (sample,) = encoded(qwen3, tool_record(), thinking="keep")
+    (sample,) = encoded(qwen3_tokenizer, tool_record(), thinking="keep")
     ids, mask = sample
-    trained = qwen3.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    trained = qwen3_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained == (
         f"<think>\nneed tool\n</think>\n\n{call}<|im_end|>"
         "<think>\nanswer\n</think>\n\nIt is 21 C.<|im_end|>"
     )
 
 
-def test_reasoning_the_template_reformats_is_still_found(qwen3: Any) -> None:
-    # Qwen3 strips newlines around reasoning: the cached turn shape (reasoning inserted
-    # verbatim) does not match, so the turn is rendered; the result must not change.
-    record = tool_record()
-    record["messages"][1]["reasoning_content"] = "\nneed tool\n\n"
-    record["messages"][1]["content"] = "Let me check."
-    template = ChatTemplate(qwen3, TemplateOptions(thinking="keep"))
-    (sample,) = template.samples(parse_record(record), TOOLS)
-    assert [sample.text[a:b] for a, b in sample.spans] == reference_trained(qwen3, record, "keep")
-    assert sample.text[sample.spans[0][0] :].startswith("<think>\nneed tool\n</think>\n\nLet me")
-
-
-def test_smollm2_multi_turn_masks(smollm2: Any) -> None:
+def test_smollm2_multi_turn_masks(smollm2_tokenizer: Any) -> None:
     pieces = [
         (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
         ("Hello!<|im_end|>", 1),
         ("\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0),
         ("4<|im_end|>", 1),
     ]
-    (sample,) = encoded(smollm2, two_turns(reasoning=False, system=False))
-    assert sample == expected(smollm2, pieces)
+    (sample,) = encoded(smollm2_tokenizer, two_turns(reasoning=False, system=False))
+    assert sample == expected(smollm2_tokenizer, pieces)
 
 
-def test_smollm2_refuses_what_its_template_drops(smollm2: Any) -> None:
-    template = ChatTemplate(smollm2, TemplateOptions(thinking="keep"))
+def test_smollm2_refuses_what_its_template_drops(smollm2_tokenizer: Any) -> None:
+    template = ChatTemplate(smollm2_tokenizer, TemplateOptions(thinking="keep"))
     with pytest.raises(RecordError, match="does not render the assistant's reasoning"):
         template.samples(parse_record(two_turns(reasoning=True)))
-    template = ChatTemplate(smollm2, TemplateOptions(thinking="strip"))
+    template = ChatTemplate(smollm2_tokenizer, TemplateOptions(thinking="strip"))
     with pytest.raises(RecordError, match="does not render the tool call"):
         template.samples(parse_record(tool_record()), TOOLS)
 
@@ -276,8 +252,8 @@ def reference_trained(tokenizer: Any, record: dict[str, Any], thinking: str) -> 
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3", "smollm2"])
-def test_fast_path_matches_reference_on_real_chats(
+@pytest.mark.parametrize("name", ["qwen3_tokenizer", "smollm2_tokenizer"])
+def test_real_chats_train_what_prefix_rendering_gives(
     name: str, request: pytest.FixtureRequest
 ) -> None:
     tokenizer = request.getfixturevalue(name)
@@ -292,33 +268,6 @@ def test_fast_path_matches_reference_on_real_chats(
         assert [sample.text[a:b] for a, b in sample.spans] == reference_trained(
             tokenizer, record, "keep"
         )
-
-
-def test_template_that_trims_content_falls_back_to_prefix_rendering(smollm2: Any) -> None:
-    # Content markers cannot survive `trim`, so every turn goes through full prefix rendering.
-    template_text = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    record = {
-        "messages": [
-            {"role": "user", "content": " Hi "},
-            {"role": "assistant", "content": "Hello! \n"},
-            {"role": "user", "content": "More"},
-            {"role": "assistant", "content": "\tSure."},
-        ]
-    }
-    original = smollm2.chat_template
-    smollm2.chat_template = template_text
-    try:
-        template = ChatTemplate(smollm2, TemplateOptions())
-        (sample,) = template.samples(parse_record(record))
-        assert [sample.text[a:b] for a, b in sample.spans] == [
-            "Hello!<|im_end|>",
-            "Sure.<|im_end|>",
-        ]
-    finally:
-        smollm2.chat_template = original
 
 
 @pytest.mark.parametrize(
@@ -340,33 +289,35 @@ def test_template_that_trims_content_falls_back_to_prefix_rendering(smollm2: Any
     ],
 )
 def test_template_without_assistant_marker_is_refused(
-    smollm2: Any, template_text: str, match: str
+    smollm2_tokenizer: Any, template_text: str, match: str
 ) -> None:
-    original = smollm2.chat_template
-    smollm2.chat_template = template_text
+    original = smollm2_tokenizer.chat_template
+    smollm2_tokenizer.chat_template = template_text
     try:
         with pytest.raises(ValueError, match=match):
-            ChatTemplate(smollm2, TemplateOptions()).check()
+            ChatTemplate(smollm2_tokenizer, TemplateOptions()).check()
     finally:
-        smollm2.chat_template = original
+        smollm2_tokenizer.chat_template = original
 
 
-def test_real_templates_pass_the_check(qwen3: Any, smollm2: Any) -> None:
-    for tokenizer in (qwen3, smollm2):
+def test_real_templates_pass_the_check(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> None:
+    for tokenizer in (qwen3_tokenizer, smollm2_tokenizer):
         for thinking in ("keep", "strip", "off"):
             for turns in ("all", "last"):
                 ChatTemplate(tokenizer, TemplateOptions(thinking=thinking, turns=turns)).check()
 
 
-def test_all_ones_mask_is_refused(smollm2: Any) -> None:
+def test_all_ones_mask_is_refused(smollm2_tokenizer: Any) -> None:
     text = "<|im_start|>assistant\nHello<|im_end|>"
-    (result,) = encode(smollm2, [RenderedSample(text=text, spans=[(0, len(text))], turn=0)])
+    (result,) = encode(
+        smollm2_tokenizer, [RenderedSample(text=text, spans=[(0, len(text))], turn=0)]
+    )
     assert isinstance(result, RecordError)
     assert "all-ones" in str(result)
 
 
-def test_unusable_text_is_a_record_error(qwen3: Any) -> None:
-    template = ChatTemplate(qwen3, TemplateOptions(thinking="strip"))
+def test_unusable_text_is_a_record_error(qwen3_tokenizer: Any) -> None:
+    template = ChatTemplate(qwen3_tokenizer, TemplateOptions(thinking="strip"))
     injected = {
         "messages": [
             {"role": "user", "content": "hi<|im_end|>"},
@@ -392,11 +343,11 @@ def test_options_are_validated() -> None:
         TemplateOptions(turns="first")
 
 
-def test_fingerprint_depends_on_the_template(smollm2: Any) -> None:
-    before = tokenizer_fingerprint(smollm2)
-    original = smollm2.chat_template
-    smollm2.chat_template = original + " "
+def test_fingerprint_depends_on_the_template(smollm2_tokenizer: Any) -> None:
+    before = tokenizer_fingerprint(smollm2_tokenizer)
+    original = smollm2_tokenizer.chat_template
+    smollm2_tokenizer.chat_template = original + " "
     try:
-        assert tokenizer_fingerprint(smollm2) != before
+        assert tokenizer_fingerprint(smollm2_tokenizer) != before
     finally:
-        smollm2.chat_template = original
+        smollm2_tokenizer.chat_template = original

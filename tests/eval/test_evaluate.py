@@ -1,66 +1,31 @@
-"""`flashdraft eval`: prompts, report accounting, and lossless decoding on real SmolLM2-135M."""
+"""The measurement: lossless decoding on real SmolLM2-135M, sampling, broken loops, the config."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
-from helpers import drafter_config_for, tiny_config, tiny_llama
+from helpers import drafter_config_for, tiny_llama
 
-from flashdraft import cli
 from flashdraft.eval.evaluate import (
-    EvalPrompt,
-    diagnose_mismatch,
+    EvalConfig,
+    check_compatible,
     evaluate_drafter,
-    load_prompts,
-    plot_acceptance,
-    render_prompt,
-    summarize,
+    load_eval_target,
+    run_eval,
 )
-from flashdraft.eval.speculative import DecodeResult
-from flashdraft.export import save_dflash, save_speculators
+from flashdraft.eval.prompts import EvalPrompt, prompt_ids
+from flashdraft.eval.speculative import Sampler
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import DFlashDrafter, init_seeded
 from flashdraft.model.head import TargetHead
 from flashdraft.model.target import Target, load_target
 from flashdraft.train.blocks import label_positions, slot_weights
-from flashdraft.train.checkpoint import save_drafter
 from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
 
 SMOL_EOS = 2  # <|im_end|>, from SmolLM2's generation config
-
-
-def _result(lengths: list[int]) -> DecodeResult:
-    return DecodeResult(
-        output_ids=list(range(sum(lengths) + 1)),
-        acceptance_lengths=lengths,
-        prompt_len=3,
-        prefill_s=0.0,
-        decode_s=0.0,
-        stopped_at_eos=False,
-    )
-
-
-def test_summary_accounting() -> None:
-    results = [_result([4, 1, 2, 4]), _result([1, 3]), _result([])]
-    report = summarize(results, block_size=4)
-    lengths = [4, 1, 2, 4, 1, 3]
-    assert report["tau"] == pytest.approx(sum(lengths) / len(lengths))
-    assert report["acceptance_histogram"] == [2, 1, 1, 2]
-    assert report["total_steps"] == 6 and report["decode_tokens"] == 15
-    assert report["output_tokens"] == 15 + 3
-    # draft k accepted iff the step emitted >= k + 1 tokens
-    assert report["per_position_acceptance"] == pytest.approx([4 / 6, 3 / 6, 2 / 6])
-    assert report["conditional_acceptance"] == pytest.approx([4 / 6, 3 / 4, 2 / 3])
-    assert report["median_acceptance_length"] == 2.5
-    assert report["prompt_tau_mean"] == pytest.approx((11 / 4 + 2) / 2)
-    empty = summarize([_result([])], block_size=4)
-    assert empty["tau"] is None and empty["per_position_acceptance"] == [0.0, 0.0, 0.0]
-    assert plot_acceptance(report)[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-# ---- prompts ----
 
 
 @pytest.fixture(scope="module")
@@ -68,31 +33,6 @@ def smol_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
-def test_prompt_shapes_render_with_the_generation_prompt(smol_tokenizer) -> None:
-    tok = smol_tokenizer
-    chat = [{"role": "user", "content": "Hi there"}]
-    expected = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    ids = render_prompt({"messages": chat}, tok)
-    assert tok.decode(ids) == expected
-    assert expected.endswith("<|im_start|>assistant\n")
-    # A training conversation: its final answer is dropped, the model is asked for it.
-    answered = [*chat, {"role": "assistant", "content": "Hello!"}]
-    assert render_prompt({"messages": answered}, tok) == ids
-    sharegpt = {"conversations": [{"from": "human", "value": "Hi there"}]}
-    assert render_prompt(sharegpt, tok) == ids
-    assert render_prompt({"prompt": "def add(a, b):"}, tok) == tok("def add(a, b):").input_ids
-
-
-def test_load_prompts_names_the_bad_line(tmp_path, smol_tokenizer) -> None:
-    path = tmp_path / "prompts.jsonl"
-    good = json.dumps({"id": "a", "prompt": "Once upon a time"})
-    path.write_text(good + "\n\n" + json.dumps({"completion": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"prompts.jsonl:3"):
-        load_prompts(str(path), smol_tokenizer)
-    prompts = load_prompts(str(path), smol_tokenizer, limit=1)
-    assert prompts[0].id == "a" and prompts[0].input_ids
 
 
 # ---- real SmolLM2-135M: lossless with an untrained and a trained drafter ----
@@ -111,7 +51,7 @@ def chats(smol, smol_tokenizer):
     questions = ["What is the capital of France?", "Write a haiku about the sea."]
     out = []
     for q in questions:
-        ids = render_prompt({"messages": [{"role": "user", "content": q}]}, smol_tokenizer)
+        ids = prompt_ids({"messages": [{"role": "user", "content": q}]}, smol_tokenizer)
         x = torch.tensor([ids])
         generated = smol.generate(
             x,
@@ -207,60 +147,6 @@ def test_lossless_on_smollm2_with_a_trained_drafter(smol, smol_tokenizer, chats)
     assert sum(report["acceptance_histogram"]) == report["total_steps"] == len(lengths)
 
 
-# ---- the CLI end to end (tiny Qwen3 target, exported and training-checkpoint drafters) ----
-
-
-def test_eval_cli_writes_report_and_plot(tmp_path, tiny_qwen3_dir) -> None:
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
-    drafter = DFlashDrafter(drafter_config_for(target, mask_token_id=151669, block_size=4))
-    drafter.reset_parameters(seed=0)
-    save_drafter(str(tmp_path / "ckpt"), drafter)
-    save_speculators(drafter, str(tmp_path / "spec"), verifier=str(tiny_qwen3_dir))
-    # z-lab's published configs: transformers-4 rope fields, no layer_types, an auto_map.
-    save_dflash(drafter, str(tmp_path / "zlab"))
-    zlab = json.loads((tmp_path / "zlab" / "config.json").read_text())
-    for key in ("rope_parameters", "layer_types", "use_sliding_window", "max_window_layers"):
-        zlab.pop(key)
-    zlab["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
-    (tmp_path / "zlab" / "config.json").write_text(json.dumps(zlab))
-    prompts = tmp_path / "prompts.jsonl"
-    records = [
-        {"id": "p0", "messages": [{"role": "user", "content": "Say hi"}]},
-        {"id": "p1", "prompt": "The quick brown fox"},
-    ]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-    for source in ("zlab", "spec", "ckpt"):  # our dflash export is the zlab one, unstripped
-        out = tmp_path / f"{source}.json"
-        argv = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / source)]
-        argv += ["--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "12"]
-        assert cli.main(argv) == 0
-        report = json.loads(out.read_text())
-        assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
-        assert {"tau", "acceptance_histogram", "per_position_acceptance", "per_prompt"} <= set(
-            report
-        )
-        assert [p["id"] for p in report["per_prompt"]] == ["p0", "p1"]
-        assert report["lossless"] is True
-        for entry in report["per_prompt"]:
-            assert {"acceptance_lengths", "output_ids", "text", "lossless"} <= set(entry)
-            assert sum(entry["acceptance_lengths"]) + 1 == len(entry["output_ids"])
-        assert report["settings"]["block_size"] == 4
-
-
-def test_eval_refuses_a_drafter_for_another_target(tmp_path, tiny_qwen3_dir, capsys) -> None:
-    config = tiny_config(vocab_size=151936, mask_token_id=151669)  # hidden 32, not 64
-    drafter = DFlashDrafter(config)
-    save_dflash(drafter, str(tmp_path / "export"))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
-    argv = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "export")]
-    argv += ["--prompts", str(prompts), "--output", str(tmp_path / "r.json")]
-    assert cli.main(argv) == 2
-    assert "hidden size 32" in capsys.readouterr().err
-
-
 def test_sampling_eval_is_seeded_and_makes_no_lossless_claim() -> None:
     target = tiny_llama(initializer_range=0.3)
     drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
@@ -280,57 +166,51 @@ def test_sampling_eval_is_seeded_and_makes_no_lossless_claim() -> None:
     assert first["per_prompt"][0]["text"] is None
 
 
-# ---- a T = 0 output that leaves the baseline: near-tie of the target, or a bug ----
+# ---- golden values: recorded with the evaluation code of `a5725ce`, before it was split ----
+
+GOLDEN = {
+    0.0: {
+        "output_ids": [
+            [12, 36, 38, 11, 16, 25, 32, 4, 57, 25, 18, 26, 41, 24, 55, 52],
+            [61, 12, 21, 12, 16, 52, 25, 16, 29, 53, 28, 13, 23, 48, 39, 46],
+        ],
+        "acceptance_lengths": [[1] * 15, [1] * 15],
+        "acceptance_histogram": [30, 0, 0, 0],
+    },
+    1.5: {
+        "output_ids": [
+            [58, 27, 0, 55, 46, 61, 59, 6, 38, 46, 45, 49, 45, 25, 55, 25],
+            [0, 16, 52, 54, 19, 33, 61, 14, 41, 50, 27, 23, 39, 56, 15, 57],
+        ],
+        "acceptance_lengths": [[1, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1, 1], [2, 3, 2, 1, 2, 1, 3, 1]],
+        "acceptance_histogram": [14, 5, 2, 0],
+    },
+}
 
 
-class _TableLogits(torch.nn.Module):
-    """A 'target' whose logits depend only on the position: row p of `table` predicts the token
-    at position p + 1, whatever the tokens are (enough to teacher-force a diagnosis)."""
-
-    def __init__(self, table: list[list[float]]) -> None:
-        super().__init__()
-        self.table = torch.nn.Parameter(torch.tensor(table), requires_grad=False)
-
-    def forward(self, input_ids, use_cache=False, logits_to_keep=0):
-        from types import SimpleNamespace
-
-        rows = self.table[: input_ids.shape[1]][None]
-        return SimpleNamespace(logits=rows[:, -logits_to_keep:] if logits_to_keep else rows)
-
-
-FLAT = [5.0, 0.0, 0.0, 0.0]  # token 0 is the clear choice
-TIE = [0.0, 12.30, 12.05, 3.0]  # tokens 1 and 2 are 0.25 apart
-WIDE = [0.0, 12.30, 10.00, 3.0]
+@pytest.mark.parametrize("temperature", sorted(GOLDEN))
+def test_a_fixed_seed_eval_reproduces_the_pinned_outputs(temperature: float) -> None:
+    target = tiny_llama(initializer_range=0.3)
+    drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
+    drafter.reset_parameters(seed=0)
+    prompts = [[5, 17, 3, 42], [8, 11, 29]]
+    report = evaluate_drafter(
+        target, None, drafter, prompts, max_new_tokens=16, temperature=temperature
+    )
+    golden = GOLDEN[temperature]
+    assert [e["output_ids"] for e in report["per_prompt"]] == golden["output_ids"]
+    assert [e["acceptance_lengths"] for e in report["per_prompt"]] == golden["acceptance_lengths"]
+    assert report["acceptance_histogram"] == golden["acceptance_histogram"]
+    lengths = [n for row in golden["acceptance_lengths"] for n in row]
+    assert report["tau"] == sum(lengths) / len(lengths)
 
 
-@pytest.mark.parametrize(
-    ("at_index_2", "then", "near_tie", "worst"),
-    [
-        (TIE, 0, True, 0.25),  # a flipped tie, then the target's choice on the new branch
-        (WIDE, 0, False, 2.3),  # token 2 is 2.3 below the choice: not a tie
-        (TIE, 3, False, 5.0),  # a tie at 2, then a token the target would never pick
-    ],
-)
-def test_mismatch_diagnosis(at_index_2, then, near_tie, worst) -> None:
-    prompt, output = [0], [0, 0, 2, then]  # greedy would have emitted token 1 at index 2
-    # row p predicts the token at position p + 1: the prompt is position 0, output[i] is i + 1
-    target = _TableLogits([FLAT, FLAT, at_index_2, FLAT])
-    out = diagnose_mismatch(target, prompt, output, index=2, tolerance=0.5)
-    assert out["index"] == 2 and out["token"] == 2 and out["near_tie"] is near_tie
-    assert out["worst_below_top"] == pytest.approx(worst, abs=1e-5)
-    assert ("reason" in out) is not near_tie
-
-
-def test_mismatch_diagnosis_of_an_early_stop() -> None:
-    out = diagnose_mismatch(_TableLogits([FLAT] * 4), [0], [0, 0], index=2, tolerance=0.5)
-    assert out["near_tie"] is False and "stops early" in out["reason"]
+# ---- a T = 0 output that leaves the baseline: a bug must be called one ----
 
 
 def test_a_broken_verify_step_is_an_unexplained_mismatch(monkeypatch) -> None:
     """If the loop emitted anything but the target's choice, eval must say so, not call it a tie:
     here the verify step emits the target's least likely token after the first step."""
-    from flashdraft.eval.speculative import Sampler
-
     target = tiny_llama(initializer_range=0.3)
     drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
     drafter.reset_parameters(seed=0)
@@ -354,3 +234,63 @@ def test_a_broken_verify_step_is_an_unexplained_mismatch(monkeypatch) -> None:
     assert report["unexplained_mismatch_prompts"] == 2 and report["near_tie_prompts"] == 0
     for entry in report["per_prompt"]:
         assert "logits below the target's choice" in entry["mismatch"]["reason"]
+
+
+# ---- the options of `flashdraft eval` and `run_eval` ----
+
+
+def _config(**overrides: object) -> EvalConfig:
+    base: dict[str, object] = {"target": "t", "drafter": "d", "prompts": "p", "output": "r.json"}
+    return EvalConfig(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def test_eval_config_defaults_and_validation() -> None:
+    config = _config()
+    assert config.max_new_tokens == 256 and config.temperature == 0.0 and config.reference
+    assert config.block_size is None and config.limit is None and config.dtype == "auto"
+    assert config.attn_implementation == "sdpa" and config.device is None
+    for key, value in [
+        ("max_new_tokens", 0),
+        ("block_size", 0),
+        ("limit", 0),
+        ("temperature", -0.5),
+        ("dtype", "int8"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{key} = "):
+            _config(**{key: value})
+
+
+def test_check_compatible_names_every_mismatch() -> None:
+    target = tiny_llama()
+    check_compatible(DFlashDrafter(drafter_config_for(target)), target)
+    other = drafter_config_for(
+        target, hidden_size=32, head_dim=8, num_target_layers=6, vocab_size=80, mask_token_id=70
+    )
+    with pytest.raises(ValueError, match="does not fit this target") as err:
+        check_compatible(DFlashDrafter(other), target)
+    for problem in ("hidden size 32", "6 target layers", "mask token 70", "vocab size 80"):
+        assert problem in str(err.value)
+
+
+def test_run_eval_casts_the_drafter_and_records_the_command_settings(
+    tmp_path, tiny_qwen3_dir
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    records = [{"id": f"p{i}", "prompt": f"Count to {i}"} for i in range(3)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = _config(
+        target=str(tiny_qwen3_dir), prompts=str(prompts), limit=2, max_new_tokens=6, device="cpu"
+    )
+    target, tokenizer = load_eval_target(config)
+    assert next(target.parameters()).dtype == torch.float32  # auto on a CPU
+    drafter = DFlashDrafter(drafter_config_for(target, mask_token_id=151669, block_size=4))
+    drafter.reset_parameters(seed=0)
+    report = run_eval(config, target, tokenizer, drafter.to(torch.bfloat16))
+    assert [p["id"] for p in report["per_prompt"]] == ["p0", "p1"]
+    settings = report["settings"]
+    assert settings["drafter_dtype"] == "float32" and settings["max_new_tokens"] == 6
+    assert list(settings)[-3:] == ["target", "drafter", "prompts"]
+    assert settings["prompts"] == str(prompts) and settings["drafter"] == "d"
+    assert report["lossless"] is True
+    alone = run_eval(dataclasses.replace(config, reference=False), target, tokenizer, drafter)
+    assert alone["settings"]["reference"] is False and "lossless" not in alone

@@ -1,4 +1,5 @@
-"""End-to-end training through the CLI on real targets (CPU), resume, S3, schedule, preflight."""
+"""End-to-end training through the CLI on real targets (CPU): learning, in-training eval,
+resume after a kill, S3, the step's loss normaliser, and a non-finite loss stopping the run."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import torch
 from helpers import read_metrics, train_settings
 
 from flashdraft import cli
-from flashdraft.train.config import OptimSection, load_run_config
-from flashdraft.train.trainer import lr_at
+from flashdraft.train.checkpoint import complete_checkpoints, load_drafter
 
 
 def _learns(records: list[dict]) -> None:
@@ -150,7 +150,7 @@ def test_checkpoint_round_trip_through_a_real_s3_server(
         settings = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
         settings += ["--set", f'output="{url}"']
         assert cli.main(["train", *settings]) == 0
-        from flashdraft.train.checkpoint import complete_checkpoints, load_checkpoint, load_drafter
+        from flashdraft.train.checkpoint import load_checkpoint
 
         found = complete_checkpoints(url)
         assert [step for step, _ in found] == [2, 4]
@@ -169,59 +169,6 @@ def test_checkpoint_round_trip_through_a_real_s3_server(
         assert fs.exists(f"{url[5:]}/export/model.safetensors")
     finally:
         server.stop()
-
-
-def test_lr_schedules() -> None:
-    cosine = OptimSection(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_at(0, 100, cosine) == pytest.approx(0.1)
-    assert lr_at(9, 100, cosine) == pytest.approx(1.0)
-    assert lr_at(100, 100, cosine) == pytest.approx(0.1)
-    assert lr_at(55, 100, cosine) == pytest.approx(0.55)
-    wsd = OptimSection(lr=1.0, warmup_steps=10, schedule="wsd", decay_ratio=0.2, min_lr_ratio=0.0)
-    assert lr_at(50, 100, wsd) == 1.0 and lr_at(90, 100, wsd) == pytest.approx(0.5)
-
-
-def test_config_errors_are_clear(tmp_path, capsys) -> None:
-    code = cli.main(
-        [
-            "train",
-            "--set",
-            "output=x",
-            "--set",
-            "target.path=y",
-            "--set",
-            'data.datasets=["z"]',
-            "--set",
-            "optim.lrr=1",
-        ]
-    )
-    assert code == 2
-    assert "unknown config key(s) optim.lrr" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="overlong"):
-        load_run_config(
-            None, ["output=x", "target.path=y", 'data.datasets=["z"]', "data.overlong=cut"]
-        )
-
-
-def test_preflight_refuses_a_run_that_cannot_fit(monkeypatch, tiny_qwen3_dir) -> None:
-    from transformers import AutoConfig
-
-    from flashdraft.model.config import DrafterConfig
-    from flashdraft.train import preflight
-
-    target = AutoConfig.from_pretrained(tiny_qwen3_dir)
-    config = load_run_config(
-        None, ["output=x", f"target.path={tiny_qwen3_dir}", 'data.datasets=["z"]']
-    )
-    drafter = DrafterConfig.from_target_config(target, mask_token_id=151669)
-    small = preflight.estimate(config, drafter, target, 10**6)
-    config.loss.anchors *= 4
-    assert preflight.estimate(config, drafter, target, 10**6).total > small.total
-    monkeypatch.setattr(
-        torch.cuda, "mem_get_info", lambda device=None: (small.total / 2, 80 * 2**30)
-    )
-    with pytest.raises(ValueError, match=r"lower loss\.anchors"):
-        preflight.check(config, drafter, target, 10**6, torch.device("cuda"))
 
 
 def test_every_micro_batch_is_normalised_by_the_whole_step(
@@ -251,3 +198,45 @@ def test_every_micro_batch_is_normalised_by_the_whole_step(
         assert len(given) == 1, step  # one normaliser for the whole step
         assert given.pop() == pytest.approx(sum(own for _, own in step))
         assert len({own for _, own in step}) > 1  # the micro-batches differ: the test can fail
+
+
+def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
+    monkeypatch, tmp_path, tiny_qwen3_dir, qwen_data, capsys
+) -> None:
+    """Step 6's loss is poisoned with NaN. The guard catches it on the device; the run stops
+    at the next point where it syncs anyway (the log at step 8), naming step 6, before the
+    checkpoint of step 8 is written; the checkpoint of step 4 is intact, and resuming from it
+    gives the uninterrupted run."""
+    import flashdraft.train.trainer as train_module
+
+    real = train_module.draft_loss
+    calls: list[int] = []
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 6 else loss), stats
+
+    extra = {"optim.max_steps": 12, "checkpoint.every": 4, "log.every": 4}
+    reference = tmp_path / "reference"
+    assert cli.main(["train", *train_settings(reference, tiny_qwen3_dir, qwen_data, **extra)]) == 0
+
+    run = tmp_path / "run"
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **extra)
+    monkeypatch.setattr(train_module, "draft_loss", poisoned)
+    capsys.readouterr()
+    assert cli.main(["train", *settings]) == 1  # a run that stopped itself, in one line
+    assert "flashdraft train: error: loss is not finite at step 6;" in capsys.readouterr().err
+    assert [step for step, _ in complete_checkpoints(str(run))] == [4]
+    assert [r["step"] for r in read_metrics(run)] == [4]
+    assert not (run / "export").exists()
+    weights = load_drafter(str(run)).state_dict()
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+    monkeypatch.setattr(train_module, "draft_loss", real)
+    assert cli.main(["train", *settings, "--resume"]) == 0
+    resumed, expected = read_metrics(run), read_metrics(reference)
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected] == [4, 8, 12]
+    for got, want in zip(resumed, expected, strict=True):
+        for key in ("loss", "tau_hat", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)

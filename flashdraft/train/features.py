@@ -1,0 +1,189 @@
+"""Where a drafter rank gets the target's side of each packed row.
+
+A feature source answers two questions for the trainer: the target's output for a row
+(taps [1, T, K*H] and the labels [1, A, B-1]) and the target's frozen head (embedding and LM
+head, shared with the drafter). Two implementations, chosen once by `open_feature_source`:
+
+* `LocalTarget` (colocated placement): this rank holds the target and runs it on the row;
+* `RemoteTarget` (split placement, drafter ranks): a target rank ran it
+  (`flashdraft.train.server`) and sent the result; the head came once, at start.
+
+Shape legend: T tokens per row, A anchors, B block size, K taps, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from flashdraft.data.inference import resolve_dtype
+from flashdraft.model.attention import Backend
+from flashdraft.model.head import TargetHead
+from flashdraft.model.target import DTYPES, Target, decoder_layers, load_target
+from flashdraft.train.blocks import data_next_tokens
+from flashdraft.train.config import LossSection
+from flashdraft.train.packing import Row
+from flashdraft.train.parallel import FeatureReceiver, receive_head, shard_target
+from flashdraft.train.plan import RunPlan
+
+# A row's input ids, positions, document ids ([1, T] each) and anchors ([1, A]) on the device.
+RowOnDevice = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+class FeatureSource(Protocol):
+    @property
+    def head(self) -> TargetHead:
+        """The target's embedding and LM head, on this rank's device."""
+        ...
+
+    @property
+    def target(self) -> Target | None:
+        """The target itself when it runs on this rank (in-training eval), else None."""
+        ...
+
+    def outputs(self, row: Row, on_device: RowOnDevice) -> tuple[Tensor, Tensor]:
+        """(taps [1, T, K*H], next tokens [1, A, B-1]) of `row`."""
+        ...
+
+
+def device_put(device: torch.device) -> Callable[[Tensor], Tensor]:
+    """A row tensor [T] -> [1, T] on `device`; on CUDA through pinned memory, asynchronously
+    (no host sync)."""
+    non_blocking = device.type == "cuda"
+
+    def put(t: Tensor) -> Tensor:
+        return (t.pin_memory() if non_blocking else t).to(device, non_blocking=non_blocking)[None]
+
+    return put
+
+
+def target_outputs(
+    target: Target,
+    row: Row,
+    on_device: RowOnDevice,
+    put: Callable[[Tensor], Tensor],
+    loss: LossSection,
+    block: int,
+) -> tuple[Tensor, Tensor]:
+    """The target's side of one row: (taps [1, T, K*H], next tokens [1, A, B-1]), the labels
+    from the target's own predictions or, with `loss.labels = "data"`, from the row's tokens.
+    Shared by the colocated trainer and the split placement's target ranks."""
+    ids, positions, docs, anchors = on_device
+    label_pos = put(row.label_positions) if loss.labels == "target" else None
+    features, next_tokens = target.forward_packed(ids, positions, docs, label_pos, loss.chunk_rows)
+    if next_tokens is None:
+        next_tokens = data_next_tokens(ids, anchors, block)
+    return features, next_tokens
+
+
+def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -> Target:
+    """The run's target on this rank with its taps checked; its decoder layers sharded over
+    every rank when `parallel.shard_target` (FSDP2). `target_model` may be passed in already
+    built (benchmarks, tests)."""
+    config, device = plan.config, plan.info.device
+    sharded = config.parallel.shard_target and plan.info.distributed
+    if target_model is None:
+        dtype = resolve_dtype(config.target.dtype, device.type)
+        attn = config.target.attn_implementation or (
+            "flex_attention" if device.type == "cuda" else "sdpa"
+        )
+        target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
+        if sharded:
+            shard_target(decoder_layers(target_model))
+            target_model.to(device)
+    target = Target(target_model, plan.drafter_config.target_layer_ids, backend, sharded=sharded)
+    target.verify_taps()
+    return target
+
+
+class LocalTarget:
+    """Colocated placement: the target runs on this rank, row by row."""
+
+    def __init__(self, target: Target, loss: LossSection, block: int, device: torch.device) -> None:
+        self.target, self.head = target, target.head
+        self.loss, self.block = loss, block
+        self.put = device_put(device)
+
+    def outputs(self, row: Row, on_device: RowOnDevice) -> tuple[Tensor, Tensor]:
+        return target_outputs(self.target, row, on_device, self.put, self.loss, self.block)
+
+
+class RemoteTarget:
+    """Split placement, drafter rank: outputs received from the feeding target rank, in row
+    order (both sides walk the same positions of the same row stream)."""
+
+    target: Target | None = None
+
+    def __init__(self, receiver: FeatureReceiver, head: TargetHead) -> None:
+        self.receiver, self.head = receiver, head
+
+    def outputs(self, row: Row, on_device: RowOnDevice) -> tuple[Tensor, Tensor]:
+        return self.receiver.receive()
+
+
+# ---- the target's head, sent once from a target rank to the drafter ranks it feeds ----
+
+
+def head_payload(head: TargetHead) -> list[Tensor]:
+    """What goes over the wire: embedding table [V, H], LM head [V, H], embedding scale [1]."""
+    embedding = getattr(head.embedding, "weight", None)
+    assert isinstance(embedding, Tensor)
+    scale = torch.tensor(
+        [float(getattr(head.embedding, "embed_scale", 1.0))], device=head.weight.device
+    )
+    return [embedding, head.weight, scale.to(head.weight.dtype)]
+
+
+class _ScaledEmbedding(nn.Module):
+    def __init__(self, inner: nn.Embedding, scale: float) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.inner(ids) * self.scale
+
+
+def head_from_payload(payload: list[Tensor], text_config: Any) -> TargetHead:
+    """The receiving end of `head_payload`: a TargetHead over the received tensors."""
+    embedding_w, head_w, scale = payload
+    embedding = nn.Embedding.from_pretrained(embedding_w, freeze=True)
+    embed_scale = float(scale)
+    module: nn.Module = (
+        embedding if embed_scale == 1.0 else _ScaledEmbedding(embedding, embed_scale)
+    )
+    return TargetHead.from_parts(module, head_w, text_config)
+
+
+def receive_target_head(plan: RunPlan, dtype: torch.dtype) -> TargetHead:
+    """The target's embedding and LM head, received once from the feeding target rank (sent
+    by `flashdraft.train.server.serve_target`)."""
+    vocab, hidden = plan.drafter_config.vocab_size, plan.drafter_config.hidden_size
+    payload = receive_head(
+        [(vocab, hidden), (vocab, hidden), (1,)], dtype, plan.info.device, plan.placement.feeder
+    )
+    return head_from_payload(payload, plan.target_config.get_text_config())
+
+
+def open_feature_source(plan: RunPlan, backend: Backend, target_model: Any = None) -> FeatureSource:
+    """This drafter rank's source: its own target (colocated) or its feeding target rank
+    (split). The one place that looks at the placement's role on a drafter rank."""
+    config, block = plan.config, plan.drafter_config.block_size
+    if plan.placement.role != "drafter":
+        target = load_run_target(plan, backend, target_model)
+        return LocalTarget(target, config.loss, block, plan.info.device)
+    dtype = DTYPES[resolve_dtype(config.target.dtype, plan.info.device.type)]
+    head = receive_target_head(plan, dtype)
+    taps = plan.drafter_config.num_taps * plan.drafter_config.hidden_size
+    receiver = FeatureReceiver(
+        plan.placement.feeder,
+        (1, config.data.row_tokens, taps),
+        (1, config.loss.anchors, block - 1),
+        dtype,
+        plan.info.device,
+        config.parallel.queue_depth,
+        total=plan.rows_left,
+    )
+    return RemoteTarget(receiver, head)

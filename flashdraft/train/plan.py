@@ -1,0 +1,182 @@
+"""What a run is before anything heavy is loaded: the plan every rank agrees on, the
+drafter's geometry, and the one builder of the initial drafter.
+
+`plan_run` decides, identically on every rank, the placement (which rank runs what), the
+drafter config (from the target's config), the packed-row stream, the number of steps and
+the resume point. `initial_drafter` is the drafter a run starts from (seeded init or a warm
+start from a serving export); the demo builds its "untrained" baseline with it too, so the
+baseline is by construction the trainer's step-0 drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashdraft import storage
+from flashdraft.data.dataset import open_datasets
+from flashdraft.export import load_dflash
+from flashdraft.model.config import DrafterConfig, choose_mask_token_id
+from flashdraft.model.drafter import DFlashDrafter, init_seeded
+from flashdraft.train.checkpoint import latest_checkpoint
+from flashdraft.train.config import RunConfig
+from flashdraft.train.packing import RowStream
+from flashdraft.train.parallel import DistInfo, Placement, assign_placement, barrier
+
+
+def load_target_config(path: str) -> Any:
+    """The target's HF config (no weights read)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[DrafterConfig, str]:
+    """Drafter geometry from the target and the run config; returns (config, mask note)."""
+    section = config.drafter
+    if section.mask_token_id is not None:
+        mask_id, why = section.mask_token_id, "set in the run config"
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.target.path)
+        mask_id, why = choose_mask_token_id(target_config, tokenizer)
+    drafter_config = DrafterConfig.from_target_config(
+        target_config,
+        mask_token_id=mask_id,
+        num_layers=section.num_layers,
+        block_size=section.block_size,
+        target_layer_ids=section.target_layer_ids,
+        sliding_window=section.sliding_window,
+        sliding_layers=section.sliding_layers,
+        intermediate_size=section.intermediate_size,
+    )
+    return drafter_config, why
+
+
+def initial_drafter(config: RunConfig, drafter_config: DrafterConfig) -> DFlashDrafter:
+    """The drafter a run starts from, fp32 on the CPU: seeded (`drafter.init_seed`, else the
+    run seed) or warm-started from `drafter.init_from`, whose taps and width must match."""
+    seed = config.seed if config.drafter.init_seed is None else config.drafter.init_seed
+    if config.drafter.init_from is None:
+        return init_seeded(drafter_config, seed)
+    warm = load_dflash(config.drafter.init_from, dtype=torch.float32)
+    if warm.config.target_layer_ids != drafter_config.target_layer_ids or (
+        warm.config.hidden_size != drafter_config.hidden_size
+    ):
+        raise ValueError(
+            f"drafter.init_from {config.drafter.init_from}: its taps "
+            f"{warm.config.target_layer_ids} / hidden {warm.config.hidden_size} do not match "
+            f"this target ({drafter_config.target_layer_ids} / {drafter_config.hidden_size})"
+        )
+    return warm
+
+
+@dataclass(slots=True)
+class RunPlan:
+    """What every rank of a run agrees on before any weight is loaded."""
+
+    config: RunConfig
+    info: DistInfo
+    placement: Placement
+    target_config: Any
+    drafter_config: DrafterConfig
+    mask_note: str
+    stream: RowStream
+    dataset: Any
+    total_rows: int
+    total_steps: int
+    start_step: int
+    start_cursor: int
+    resume_from: str | None
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.placement.dp_world * self.config.optim.grad_accum
+
+    @property
+    def rows_left(self) -> int:
+        """Rows each drafter replica still trains on (its share of the remaining steps)."""
+        return (self.total_steps - self.start_step) * self.config.optim.grad_accum
+
+    def positions(self, dp_rank: int) -> Iterator[int]:
+        """Stream positions of dp replica `dp_rank`'s rows, step after step, from the cursor."""
+        g = self.config.optim.grad_accum
+        base = self.start_cursor
+        for _ in range(self.start_step, self.total_steps):
+            for m in range(g):
+                yield base + dp_rank * g + m
+            base += self.rows_per_step
+
+
+def _row_stream(config: RunConfig, dataset: Any, block_size: int, target_config: Any) -> RowStream:
+    return RowStream(
+        dataset.num_tokens,
+        dataset.sample,
+        row_tokens=config.data.row_tokens,
+        num_anchors=config.loss.anchors,
+        block_size=block_size,
+        seed=config.seed,
+        epochs=config.optim.epochs,
+        overlong=config.data.overlong,
+        shuffle=config.data.shuffle,
+        pad_id=int(getattr(target_config, "pad_token_id", None) or 0),
+    )
+
+
+def plan_run(
+    config: RunConfig, info: DistInfo, resume: bool, target_config: Any = None, dataset: Any = None
+) -> RunPlan:
+    """The plan of a run on this rank; writes the resolved config into the run directory.
+    `target_config` and `dataset` may be passed in already built (benchmarks, tests)."""
+    placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
+    existing = latest_checkpoint(config.output)
+    if existing is not None and not resume:
+        raise FileExistsError(
+            f"{config.output} already holds checkpoints (latest {existing}); pass --resume "
+            "to continue that run or choose a new output"
+        )
+    if info.is_main:
+        storage.makedirs(config.output)
+        storage.write_json_atomic(storage.join(config.output, "config.json"), config.to_dict())
+    barrier(info)
+    if target_config is None:
+        target_config = load_target_config(config.target.path)
+    drafter_config, mask_note = build_drafter_config(config, target_config)
+    if dataset is None:
+        dataset = open_datasets(config.data.datasets)
+    stream = _row_stream(config, dataset, drafter_config.block_size, target_config)
+    total_rows = stream.total_rows()
+    rows_per_step = placement.dp_world * config.optim.grad_accum
+    total_steps = total_rows // rows_per_step
+    if config.optim.max_steps is not None:
+        total_steps = min(total_steps, config.optim.max_steps)
+    if total_steps < 1:
+        raise ValueError(
+            f"the data makes {total_rows} packed rows of {config.data.row_tokens} tokens, "
+            f"fewer than one step needs ({placement.dp_world} drafter replica(s) x grad_accum "
+            f"{config.optim.grad_accum}); lower data.row_tokens or add data"
+        )
+    resume_from = existing if resume else None
+    step = cursor = 0
+    if resume_from is not None:
+        state = storage.read_json(storage.join(resume_from, "state.json"))
+        step, cursor = int(state["step"]), int(state["cursor"])
+    return RunPlan(
+        config=config,
+        info=info,
+        placement=placement,
+        target_config=target_config,
+        drafter_config=drafter_config,
+        mask_note=mask_note,
+        stream=stream,
+        dataset=dataset,
+        total_rows=total_rows,
+        total_steps=total_steps,
+        start_step=step,
+        start_cursor=cursor,
+        resume_from=resume_from,
+    )

@@ -1,0 +1,55 @@
+"""When things happen in a run: the learning-rate schedule and a stopwatch for its phases."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from flashdraft.train.config import OptimSection
+
+
+def lr_at(step: int, total: int, optim: OptimSection) -> float:
+    """Warmup, then cosine to min_lr_ratio, warmup-stable-decay (linear), or constant."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    floor = optim.min_lr_ratio
+    if optim.schedule == "constant":
+        return optim.lr
+    if optim.schedule == "cosine":
+        progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
+        return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    decay_start = total - int(optim.decay_ratio * total)
+    if step < decay_start:
+        return optim.lr
+    progress = (step - decay_start) / max(1, total - decay_start)
+    return optim.lr * (1 - (1 - floor) * min(progress, 1.0))
+
+
+class Stopwatch:
+    """Phase times without host syncs in the step: CUDA events, read only when logging."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list[Any]] = {}
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, name: str, start: Any, end: Any) -> None:
+        self.spans.setdefault(name, []).append((start, end))
+
+    def seconds(self, name: str) -> float:
+        """Total seconds of a phase since the last call (syncs on CUDA)."""
+        spans = self.spans.pop(name, [])
+        if self.cuda:
+            if spans:
+                spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return float(sum(b - a for a, b in spans))

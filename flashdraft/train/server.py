@@ -1,0 +1,51 @@
+"""Split placement, target ranks: run the target for the drafter ranks it feeds.
+
+Ranks [0, parallel.target_ranks) hold only the target. Each sends its head once to the
+drafter ranks it feeds (`Placement.consumers`), then, step after step, runs the target on
+each consumer's rows (the same positions of the same row stream the consumer walks) and
+sends the taps and labels (`FeatureSender`), at most `parallel.queue_depth` rows ahead of
+the drafter. The drafter side is `flashdraft.train.features.RemoteTarget`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashdraft.model.attention import default_backend
+from flashdraft.train.features import device_put, head_payload, load_run_target, target_outputs
+from flashdraft.train.parallel import FeatureSender, send_head
+from flashdraft.train.plan import RunPlan
+
+
+def serve_target(plan: RunPlan, target_model: Any = None) -> None:
+    """Run the target for this rank's consumers until every planned step is fed."""
+    config, info = plan.config, plan.info
+    target = load_run_target(plan, default_backend(info.device), target_model)
+    consumers = plan.placement.consumers(info.rank)
+    send_head(head_payload(target.head), consumers)
+    senders = {peer: FeatureSender(peer, config.parallel.queue_depth) for peer in consumers}
+    streams = {
+        peer: plan.stream.iterate(
+            plan.positions(plan.placement.drafter_ranks.index(peer)),
+            config.data.prefetch if config.parallel.overlap else 0,
+        )
+        for peer in consumers
+    }
+    put = device_put(info.device)
+    block = plan.drafter_config.block_size
+    for _ in range(plan.start_step, plan.total_steps):
+        for peer in consumers:
+            for _ in range(config.optim.grad_accum):
+                row = next(streams[peer])
+                on_device = (
+                    put(row.input_ids),
+                    put(row.position_ids),
+                    put(row.doc_ids),
+                    put(row.anchors),
+                )
+                features, next_tokens = target_outputs(
+                    target, row, on_device, put, config.loss, block
+                )
+                senders[peer].send(features, next_tokens)
+    for sender in senders.values():
+        sender.flush()

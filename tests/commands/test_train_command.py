@@ -1,0 +1,45 @@
+"""`flashdraft train` flags: where the run config comes from, and --resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import parse_command
+
+from flashdraft import cli
+from flashdraft.commands import train as train_command
+from flashdraft.train.config import load_run_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _options(*argv: str) -> train_command.TrainOptions:
+    options = parse_command(train_command, train_command.TrainOptions, *argv)
+    assert isinstance(options, train_command.TrainOptions)
+    return options
+
+
+def test_set_is_repeatable_and_applies_on_top_of_a_file_or_a_preset() -> None:
+    options = _options(
+        "--config", str(CONFIGS / "qwen3-8b.toml"), "--set", "optim.lr=1e-4", "--set", "seed=3"
+    )
+    assert not options.resume
+    config = options.run.load()
+    assert (config.optim.lr, config.seed) == (1e-4, 3)
+    assert config.optim.warmup_steps == 500
+    preset = _options("--preset", "qwen3-8b", "--set", "seed=3", "--resume")
+    assert preset.resume
+    assert preset.run.load() == load_run_config(str(CONFIGS / "qwen3-8b.toml"), ["seed=3"])
+
+
+def test_a_file_and_a_preset_together_are_refused_in_one_line(capsys) -> None:
+    code = cli.main(["train", "--preset", "qwen3-8b", "--config", "run.toml"])
+    assert code == 2
+    assert "give --config FILE or --preset NAME, not both" in capsys.readouterr().err
+
+
+def test_an_unknown_preset_is_an_argument_error(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _options("--preset", "llama-9000")
+    assert "invalid choice: 'llama-9000'" in capsys.readouterr().err

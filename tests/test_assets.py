@@ -1,0 +1,35 @@
+"""Offline assets from PyPI: prompts and the cache location (the models are exercised by the
+fixtures in conftest.py, which every model test uses)."""
+
+from __future__ import annotations
+
+import itertools
+
+from flashdraft import assets
+
+
+def test_chitchat_conversations_are_alternating_chats_that_end_with_the_assistant() -> None:
+    records = assets.chitchat_conversations(limit=50, seed=0)
+    assert len(records) == 50
+    assert len({r["id"] for r in records}) == 50
+    for record in records:
+        roles = [m["role"] for m in record["messages"]]
+        assert roles[0] == "user" and roles[-1] == "assistant"
+        assert all(a != b for a, b in itertools.pairwise(roles))
+    # The order is a seeded shuffle: the same seed, the same records.
+    assert assets.chitchat_conversations(limit=5, seed=0) == records[:5]
+    assert assets.chitchat_conversations(limit=5, seed=1) != records[:5]
+
+
+def test_humaneval_prompts_are_all_164_tasks_as_chat_records() -> None:
+    records = assets.humaneval_prompts()
+    assert len(records) == 164
+    assert records[0]["id"] == "HumanEval/0"
+    assert records[0]["messages"][0]["role"] == "user"
+    assert "def has_close_elements" in records[0]["messages"][0]["content"]
+
+
+def test_the_cache_directory_follows_the_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    assert assets.cache_dir() == tmp_path / "cache"
+    assert (tmp_path / "cache").is_dir()

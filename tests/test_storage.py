@@ -1,0 +1,74 @@
+"""fsspec helpers: URLs, atomic writes, compressed line reading, input expansion, tensors."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import pytest
+import torch
+
+from flashdraft import storage
+
+
+def test_join_and_locality() -> None:
+    assert storage.is_local("/a/b") and storage.is_local("file:///a") and storage.is_local("a")
+    assert not storage.is_local("s3://bucket/x")
+    assert (
+        storage.join("s3://bucket/run", "step_1", "state.json")
+        == "s3://bucket/run/step_1/state.json"
+    )
+    assert storage.join("/tmp/run", "x") == os.path.join("/tmp/run", "x")
+
+
+def test_atomic_writes_leave_no_temporary_file(tmp_path) -> None:
+    url = str(tmp_path / "sub" / "a.json")
+    storage.write_json_atomic(url, {"x": 1})
+    storage.write_json_atomic(url, {"x": 2})  # replaces, never appends
+    assert storage.read_json(url) == {"x": 2}
+    assert sorted(os.listdir(tmp_path / "sub")) == ["a.json"]
+
+
+def test_iter_lines_reads_plain_gzip_and_zstd_as_bytes(tmp_path) -> None:
+    import zstandard
+
+    lines = [b'{"a": 1}', b"\xff not utf-8", b"", b"last"]
+    body = b"\n".join(lines) + b"\n"
+    (tmp_path / "p.jsonl").write_bytes(body)
+    (tmp_path / "g.jsonl.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "z.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
+    for name in ("p.jsonl", "g.jsonl.gz", "z.jsonl.zst"):
+        got = list(storage.iter_lines(str(tmp_path / name)))
+        assert got == list(enumerate(lines, start=1)), name
+
+
+def test_expand_inputs_globs_directories_and_names_what_matched_nothing(tmp_path) -> None:
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    for name in ("d/a.jsonl", "d/e/b.jsonl.gz", "d/notes.txt", "c.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    found = storage.expand_inputs([str(tmp_path / "d"), str(tmp_path / "*.jsonl")])
+    assert found == [
+        str(tmp_path / "d" / "a.jsonl"),
+        str(tmp_path / "d" / "e" / "b.jsonl.gz"),
+        str(tmp_path / "c.jsonl"),
+    ]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        storage.expand_inputs([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(FileNotFoundError, match="matched no data files"):
+        storage.expand_inputs([str(tmp_path / "*.parquet")])
+
+
+def test_tensors_round_trip_on_local_and_memory_filesystems(tmp_path) -> None:
+    tensors = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(2)}
+    for url in (str(tmp_path / "t.safetensors"), "memory://flashdraft-test/t.safetensors"):
+        storage.write_tensors(url, tensors, {"format": "pt"})
+        back = storage.read_tensors(url)
+        assert set(back) == {"w", "b"} and torch.equal(back["w"], tensors["w"]), url
+
+
+def test_object_store_urls_go_through_fsspec() -> None:
+    url = "memory://flashdraft-test/run/config.json"
+    storage.write_json_atomic(url, {"ok": True})
+    assert storage.exists(url) and storage.read_json(url) == {"ok": True}
+    storage.makedirs("memory://flashdraft-test/run/sub")
+    assert storage.exists("memory://flashdraft-test/run/config.json")

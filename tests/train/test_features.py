@@ -1,0 +1,94 @@
+"""Feature sources: the local target's outputs per row, the remote source handing over what
+it receives, and the target's head surviving its trip over the wire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import train_settings
+from torch import nn
+
+from flashdraft.model.head import TargetHead
+from flashdraft.train.config import load_run_config
+from flashdraft.train.features import (
+    LocalTarget,
+    RemoteTarget,
+    device_put,
+    head_from_payload,
+    head_payload,
+    load_run_target,
+    target_outputs,
+)
+from flashdraft.train.parallel import DistInfo
+from flashdraft.train.plan import plan_run
+
+ONE = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+
+
+class _ScaledTable(nn.Embedding):
+    """As Gemma's: the table's rows times a constant, with the constant as `embed_scale`."""
+
+    def __init__(self, vocab: int, hidden: int, scale: float) -> None:
+        super().__init__(vocab, hidden)
+        self.embed_scale = torch.tensor(scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale
+
+
+class _TextConfig:
+    final_logit_softcapping = 30.0
+
+
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_the_head_is_rebuilt_from_its_payload(scale) -> None:
+    torch.manual_seed(0)
+    table = _ScaledTable(50, 16, scale) if scale != 1.0 else nn.Embedding(50, 16)
+    head = TargetHead.from_parts(table, torch.randn(50, 16), _TextConfig())
+    payload = head_payload(head)
+    assert [tuple(t.shape) for t in payload] == [(50, 16), (50, 16), (1,)]
+    received = head_from_payload([t.clone() for t in payload], _TextConfig())
+    ids = torch.tensor([[0, 7, 49]])
+    torch.testing.assert_close(received.embed(ids), head.embed(ids), rtol=0, atol=0)
+    hidden = torch.randn(3, 16)
+    torch.testing.assert_close(received.logits(hidden), head.logits(hidden), rtol=0, atol=0)
+    assert received.softcap == 30.0
+
+
+def test_device_put_adds_the_row_dimension() -> None:
+    put = device_put(torch.device("cpu"))
+    assert put(torch.arange(5)).shape == (1, 5)
+
+
+@pytest.mark.parametrize("labels", ["target", "data"])
+def test_the_local_source_is_the_target_forward_of_the_row(
+    tmp_path, tiny_qwen3_dir, qwen_data, labels
+) -> None:
+    args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **{"loss.labels": f'"{labels}"'})
+    config = load_run_config(None, args[1::2])
+    plan = plan_run(config, ONE, resume=False)
+    target = load_run_target(plan, "sdpa")
+    source = LocalTarget(target, config.loss, plan.drafter_config.block_size, ONE.device)
+    assert source.head is target.head and source.target is target
+    row = next(plan.stream.iterate(iter([0]), prefetch=0))
+    put = device_put(ONE.device)
+    on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
+    features, next_tokens = source.outputs(row, on_device)
+    taps = len(plan.drafter_config.target_layer_ids) * plan.drafter_config.hidden_size
+    assert features.shape == (1, config.data.row_tokens, taps)
+    assert next_tokens.shape == (1, config.loss.anchors, plan.drafter_config.block_size - 1)
+    again = target_outputs(target, row, on_device, put, config.loss, 8)
+    assert torch.equal(features, again[0]) and torch.equal(next_tokens, again[1])
+
+
+def test_the_remote_source_hands_over_what_it_receives() -> None:
+    sent = (torch.ones(1, 4, 6), torch.zeros(1, 2, 3, dtype=torch.long))
+
+    class Receiver:
+        def receive(self):
+            return sent
+
+    head = TargetHead(embedding=nn.Embedding(5, 2), weight=torch.zeros(5, 2))
+    source = RemoteTarget(Receiver(), head)  # type: ignore[arg-type]
+    assert source.target is None and source.head is head
+    assert source.outputs(None, None) is sent  # type: ignore[arg-type]

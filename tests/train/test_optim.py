@@ -1,0 +1,98 @@
+"""The optimizer and its finite guard: a non-finite step never reaches the weights, and the
+run learns which step it was without a host sync per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flashdraft.train.config import OptimSection
+from flashdraft.train.optim import FiniteGuard, build_optimizer
+from flashdraft.train.parallel import Placement
+
+ALONE = Placement("colocated", "colocated", 0, 1, (0,), (0,))
+
+
+def _step(model: nn.Module, guard: FiniteGuard, scale: float) -> None:
+    loss = model(torch.ones(1, 4)).sum() * scale
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    guard.observe(loss.detach(), grad_norm)
+    guard.step()
+    guard.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_non_finite_step_and_every_one_after_it_leave_the_weights_alone(fused) -> None:
+    """fused: the kernel reads the guard's flag as `found_inf` (GradScaler's mechanism, the
+    CUDA path; PyTorch has the fused kernel on the CPU too, so it is checked here); unfused:
+    the step is skipped on the host."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    guard = FiniteGuard(optimizer, torch.device("cpu"), start=10)
+    assert guard.fused == fused
+    for _ in range(2):
+        _step(model, guard, 1.0)
+    assert guard.first_bad_step(ALONE) is None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
+    _step(model, guard, float("nan"))  # step 13 of the run (it started at 10)
+    _step(model, guard, 1.0)  # finite again, but the run is already lost: still skipped
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for name, value in optimizer.state[model.weight].items():
+        assert torch.equal(value, moments[name]), name  # step count and moments included
+    assert guard.first_bad_step(ALONE) == 13
+
+
+def test_an_infinite_loss_trips_the_guard_even_when_the_gradient_is_finite() -> None:
+    model = nn.Linear(4, 3)
+    guard = FiniteGuard(torch.optim.AdamW(model.parameters()), torch.device("cpu"), start=0)
+    guard.observe(torch.tensor(float("inf")), torch.tensor(1.0))
+    assert guard.first_bad_step(ALONE) == 1
+
+
+def test_adamw_follows_the_optim_section_and_is_fused_on_cuda_only() -> None:
+    section = OptimSection(lr=3e-4, betas=[0.8, 0.9], eps=1e-6, weight_decay=0.1)
+    optimizer = build_optimizer(nn.Linear(2, 2), section, torch.device("cpu"))
+    group = optimizer.param_groups[0]
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert (group["lr"], group["betas"], group["eps"]) == (3e-4, (0.8, 0.9), 1e-6)
+    assert group["weight_decay"] == 0.1 and not group["fused"]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs() -> None:
+    """The CUDA path as the trainer runs it: clip, observe, fused AdamW with the flag as its
+    `found_inf`; no host sync anywhere (sync debug mode turns one into an error), and a NaN
+    step leaves the weights alone."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    model = nn.Linear(64, 64).to(device)
+    optimizer = build_optimizer(model, OptimSection(lr=0.1), device)
+    guard = FiniteGuard(optimizer, device, start=0)
+    assert guard.fused
+
+    def step(scale: float) -> None:
+        loss = model(torch.ones(4, 64, device=device)).sum() * scale
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        guard.observe(loss.detach(), grad_norm)
+        guard.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(1.0)  # the optimizer's state is created outside the checked region
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(float("nan"))
+        step(1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert guard.first_bad_step(ALONE) == 2

@@ -1,0 +1,42 @@
+"""The learning-rate schedules and the stopwatch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flashdraft.train.config import OptimSection
+from flashdraft.train.schedule import Stopwatch, lr_at
+
+
+def test_lr_schedules() -> None:
+    cosine = OptimSection(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, 100, cosine) == pytest.approx(0.1)
+    assert lr_at(9, 100, cosine) == pytest.approx(1.0)
+    assert lr_at(100, 100, cosine) == pytest.approx(0.1)
+    assert lr_at(55, 100, cosine) == pytest.approx(0.55)
+    wsd = OptimSection(lr=1.0, warmup_steps=10, schedule="wsd", decay_ratio=0.2, min_lr_ratio=0.0)
+    assert lr_at(50, 100, wsd) == 1.0 and lr_at(90, 100, wsd) == pytest.approx(0.5)
+
+
+def test_constant_schedule_and_the_floor_past_the_end() -> None:
+    constant = OptimSection(lr=0.5, warmup_steps=4, schedule="constant")
+    assert [lr_at(s, 10, constant) for s in (0, 3, 4, 9, 50)] == [0.125, 0.5, 0.5, 0.5, 0.5]
+    cosine = OptimSection(lr=1.0, warmup_steps=0, min_lr_ratio=0.2)
+    assert lr_at(0, 10, cosine) == pytest.approx(1.0)
+    assert lr_at(500, 10, cosine) == pytest.approx(0.2)  # past the end: stays at the floor
+    values = [lr_at(s, 10, cosine) for s in range(11)]
+    assert values == sorted(values, reverse=True)  # cosine never rises after warmup
+
+
+def test_stopwatch_sums_the_spans_of_a_phase_and_resets() -> None:
+    watch = Stopwatch(torch.device("cpu"))
+    for _ in range(2):
+        start = watch.mark()
+        time.sleep(0.01)
+        watch.add("target", start, watch.mark())
+    assert 0.02 <= watch.seconds("target") < 0.5
+    assert watch.seconds("target") == 0.0  # read once: the next interval starts empty
+    assert watch.seconds("never") == 0.0

@@ -1,0 +1,88 @@
+"""Split placement at the feature level: a target rank serves, a drafter rank receives the
+same features, labels and head it would compute with the target beside it (two gloo
+processes on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+from helpers import train_settings
+
+from flashdraft.train.config import load_run_config
+from flashdraft.train.features import (
+    LocalTarget,
+    RemoteTarget,
+    device_put,
+    load_run_target,
+    open_feature_source,
+)
+from flashdraft.train.parallel import init_distributed, shutdown
+from flashdraft.train.plan import plan_run
+from flashdraft.train.server import serve_target
+
+
+def _worker(rank: int, port: int, settings: list[str]) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    config = load_run_config(None, settings)
+    info = init_distributed("cpu")
+    try:
+        plan = plan_run(config, info, resume=False)
+        if rank == 0:
+            assert plan.placement.role == "target"
+            serve_target(plan)
+            return
+        source = open_feature_source(plan, "sdpa")
+        assert isinstance(source, RemoteTarget) and source.target is None
+        local = LocalTarget(
+            load_run_target(plan, "sdpa"), config.loss, plan.drafter_config.block_size, info.device
+        )
+        assert torch.equal(source.head.weight, local.head.weight)
+        ids = torch.tensor([[1, 2, 151935]])
+        assert torch.equal(source.head.embed(ids), local.head.embed(ids))
+        put = device_put(info.device)
+        rows = plan.stream.iterate(plan.positions(plan.placement.dp_rank), prefetch=0)
+        for _ in range(plan.rows_left):
+            row = next(rows)
+            on_device = (
+                put(row.input_ids),
+                put(row.position_ids),
+                put(row.doc_ids),
+                put(row.anchors),
+            )
+            got, want = source.outputs(row, on_device), local.outputs(row, on_device)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        try:
+            source.outputs(row, on_device)
+        except RuntimeError as err:
+            assert "every transfer" in str(err)
+        else:
+            raise AssertionError("a receive past the sender's last transfer must not hang")
+    finally:
+        shutdown(info)
+
+
+def test_a_drafter_rank_receives_what_its_target_rank_computes(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    extra = {
+        "optim.max_steps": 2,
+        "optim.grad_accum": 2,
+        "parallel.placement": '"split"',
+        "parallel.target_ranks": 1,
+        "parallel.queue_depth": 1,
+    }
+    settings = train_settings(tmp_path / "run", tiny_qwen3_dir, qwen_data, **extra)[1::2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, settings), nprocs=2, join=True)
