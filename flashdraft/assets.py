@@ -153,6 +153,101 @@ def tiny_qwen3(
     return _save_once(path, model, tokenizer)
 
 
+def tiny_qwen3_5(
+    path: Path,
+    *,
+    num_layers: int = 8,
+    hidden_size: int = 64,
+    multimodal: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A tiny random hybrid Qwen3.5 target with the real Qwen3 tokenizer, saved at `path`.
+
+    The layer pattern, head layout and RoPE of Qwen3.5 / Qwen3.6, scaled down: groups of
+    (3 Gated DeltaNet linear-attention layers, 1 gated full-attention layer), grouped value
+    heads (2 key heads, 4 value heads), a 4-tap causal convolution, partial interleaved
+    multimodal RoPE (a quarter of each head rotated). `multimodal` saves it the way the real
+    checkpoints ship, as `Qwen3_5ForConditionalGeneration` with a (tiny) vision tower.
+
+    Weights are drawn larger than the usual init (N(0, 0.15) for matrices, decay rates
+    exp(U(-1, 1))), so every linear-attention layer moves the residual stream and a state
+    leaking across packed documents shows at full size; the embeddings, as in `tiny_qwen3`,
+    weigh the input token so a drafter can learn a little in a few steps.
+    """
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+        Qwen3_5VisionConfig,
+    )
+
+    if (path / "config.json").exists():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = Qwen3_5TextConfig(
+        vocab_size=151936,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        # Qwen3.5's RoPE: a quarter of head_dim rotated (8 dims, 4 frequencies), T/H/W
+        # sections interleaved (identical for text); rope_theta as the 27B.
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=end_of_turn,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model: Any
+    if multimodal:
+        vision = Qwen3_5VisionConfig(
+            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size
+        )
+        model = Qwen3_5ForConditionalGeneration(
+            Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+        )
+    else:
+        model = Qwen3_5ForCausalLM(text)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.2, generator=gen)
+            elif p.ndim == 1:  # norms (zero-centred: weight 1 + w), dt_bias
+                p.normal_(0.0, 0.1, generator=gen)
+            else:
+                p.normal_(0.0, 0.15, generator=gen)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[end_of_turn, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return _save_once(path, model, tokenizer)
+
+
 def chitchat_conversations(limit: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Real multi-turn chats as OpenAI `messages` records (the first speaker is the user).
 

@@ -117,7 +117,7 @@ def _describe(tp: Any) -> str:
         text = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
     elif origin is list:
         (item,) = typing.get_args(inner) or (Any,)
-        text = f"a list of {_describe(item)}s"
+        text = f"a list of {_describe(item).removeprefix('an ').removeprefix('a ')}s"
     elif origin is dict or inner is dict:
         text = "a table (JSON object)"
     elif inner is bool:

@@ -6,15 +6,21 @@ the streams sees them). Under torchrun (WORLD_SIZE > 1) each line is tagged with
 that wrote it, `[rank 3] ...`, so interleaved logs of many processes stay readable.
 `FLASHDRAFT_LOG=debug` (or warning, ...) sets the level.
 
+`trace(event, **fields)` records structured events (rows consumed, files written) as JSON
+lines when `FLASHDRAFT_TRACE` names a directory, one file per process: what multi-process
+tests check ("every row once", "one writer per checkpoint") and what a user can inspect.
+
 User mistakes are not logged here: commands raise ValueError and the console script prints
 one line and exits 2 (`flashdraft.cli`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from typing import Any
 
 ROOT = "flashdraft"
 
@@ -58,3 +64,19 @@ _configure()
 def get_logger(name: str) -> logging.Logger:
     """The logger of module `name` (e.g. `flashdraft.train.trainer`), under the root."""
     return logging.getLogger(name if name.startswith(ROOT) else f"{ROOT}.{name}")
+
+
+TRACE_ENV = "FLASHDRAFT_TRACE"
+
+
+def trace(event: str, **fields: Any) -> None:
+    """Append `{"event": ..., "rank": ..., **fields}` to `$FLASHDRAFT_TRACE/trace-rank<R>.jsonl`
+    (R = the global rank torchrun set, 0 otherwise); nothing when the variable is unset."""
+    directory = os.environ.get(TRACE_ENV)
+    if not directory:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"event": event, "rank": rank, "node": os.environ.get("GROUP_RANK"), **fields}
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"trace-rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -2,11 +2,13 @@
 
 Local paths and `s3://`, `gs://`, `memory://` ... all go through fsspec, so the same code
 reads a JSONL shard from a laptop disk or a bucket. Compression is inferred from the
-suffix (`.gz`, `.zst`).
+suffix (`.gz`, `.zst`). A UTF-8 byte-order mark at the start of a text file (Windows tools
+write one) is not part of its first line. Reading bad JSON names the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -20,6 +22,7 @@ import fsspec.compression
 from fsspec.core import url_to_fs
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst")
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -105,7 +108,30 @@ def read_text(url: str) -> str:
 
 
 def read_json(url: str) -> Any:
-    return json.loads(read_text(url))
+    """A JSON file; a file that is not JSON is a ValueError naming it (and where it breaks)."""
+    try:
+        return json.loads(read_text(url).removeprefix("\ufeff"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{url} is not valid JSON (not UTF-8 at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{url} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from None
+
+
+def json_bytes(obj: Any) -> bytes:
+    """How flashdraft writes a JSON file: indented, keys in insertion order, newline-ended."""
+    return (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+
+
+def file_digest(url: str) -> tuple[str, int]:
+    """(sha256 hex digest, size in bytes) of a file as stored, read in 8 MiB chunks."""
+    digest, size = hashlib.sha256(), 0
+    with fsspec.open(url, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
 
 
 def write_bytes_atomic(url: str, data: bytes) -> None:
@@ -134,17 +160,22 @@ def write_text_atomic(url: str, text: str) -> None:
 
 
 def write_json_atomic(url: str, obj: Any) -> None:
-    write_text_atomic(url, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    write_bytes_atomic(url, json_bytes(obj))
+
+
+def tensor_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> bytes:
+    """A dict of tensors serialised as one safetensors file (CPU copies, contiguous)."""
+    from safetensors.torch import save
+
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return bytes(save(cpu, metadata=metadata))
 
 
 def write_tensors(
     url: str, tensors: dict[str, Any], metadata: dict[str, str] | None = None
 ) -> None:
     """A dict of tensors as one safetensors file at any URL (atomically where local)."""
-    from safetensors.torch import save
-
-    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    write_bytes_atomic(url, save(cpu, metadata=metadata))
+    write_bytes_atomic(url, tensor_bytes(tensors, metadata))
 
 
 def read_tensors(url: str) -> dict[str, Any]:
@@ -158,10 +189,17 @@ def read_tensors(url: str) -> dict[str, Any]:
 
 
 def iter_lines(url: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes without the newline) for every line of a text file.
+    """(1-based line number, raw bytes without the newline) for every line of a text file;
+    a byte-order mark at the start of the file is dropped.
 
     Bytes, not str: invalid UTF-8 is the caller's to report per line, not a crash here.
     """
     with fsspec.open(url, "rb") as f:
         for number, line in enumerate(decompress(f, url), start=1):
-            yield number, line.rstrip(b"\r\n")
+            yield number, clean_line(line, number)
+
+
+def clean_line(line: bytes, number: int) -> bytes:
+    """A raw line without its newline, and without the byte-order mark if it is line 1."""
+    line = line.rstrip(b"\r\n")
+    return line.removeprefix(BOM) if number == 1 else line

@@ -74,3 +74,12 @@ def smollm2_tokenizer(smollm2_dir: Path) -> object:
     from flashdraft.data.template import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random hybrid Qwen3.5 (8 layers: 3 linear-attention + 1 full, twice; width 64)
+    with the real Qwen3 tokenizer."""
+    from flashdraft.assets import tiny_qwen3_5
+
+    return tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5") / "model")

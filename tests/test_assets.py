@@ -33,3 +33,23 @@ def test_the_cache_directory_follows_the_environment(tmp_path, monkeypatch) -> N
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
     assert assets.cache_dir() == tmp_path / "cache"
     assert (tmp_path / "cache").is_dir()
+
+
+def test_tiny_qwen3_5_is_a_hybrid_qwen3_5_with_the_qwen3_tokenizer(tiny_qwen3_5_dir) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((tiny_qwen3_5_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text"
+    assert config["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert (config["linear_num_key_heads"], config["linear_num_value_heads"]) == (2, 4)
+    rope = config["rope_parameters"]
+    assert rope["partial_rotary_factor"] == 0.25 and rope["mrope_interleaved"] is True
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_5_dir)
+    assert config["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert config["vocab_size"] == 151936 > len(tokenizer)
+    # Built once: a second call finds it and writes nothing.
+    stamp = (tiny_qwen3_5_dir / "model.safetensors").stat().st_mtime_ns
+    assert assets.tiny_qwen3_5(tiny_qwen3_5_dir) == tiny_qwen3_5_dir
+    assert (tiny_qwen3_5_dir / "model.safetensors").stat().st_mtime_ns == stamp

@@ -24,3 +24,21 @@ def test_every_line_is_tagged_with_the_rank_under_torchrun(capsys, monkeypatch) 
 def test_module_names_are_placed_under_the_flashdraft_logger() -> None:
     assert get_logger("flashdraft.train").name == "flashdraft.train"
     assert get_logger("bench.trainer").name == "flashdraft.bench.trainer"
+
+
+def test_trace_writes_one_json_line_per_event_per_rank(tmp_path, monkeypatch) -> None:
+    import json
+
+    from flashdraft.log import trace
+
+    monkeypatch.delenv("FLASHDRAFT_TRACE", raising=False)
+    trace("row", index=1)  # off: nothing written anywhere
+    monkeypatch.setenv("FLASHDRAFT_TRACE", str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    trace("row", epoch=0, index=5)
+    trace("write", what="checkpoint")
+    lines = (tmp_path / "trace-rank2.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"event": "row", "rank": 2, "node": None, "epoch": 0, "index": 5},
+        {"event": "write", "rank": 2, "node": None, "what": "checkpoint"},
+    ]

@@ -72,3 +72,33 @@ def test_object_store_urls_go_through_fsspec() -> None:
     assert storage.exists(url) and storage.read_json(url) == {"ok": True}
     storage.makedirs("memory://flashdraft-test/run/sub")
     assert storage.exists("memory://flashdraft-test/run/config.json")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path) -> None:
+    body = storage.BOM + b'{"a": 1}\n' + storage.BOM + b"kept on line 2\n"
+    (tmp_path / "bom.jsonl").write_bytes(body)
+    (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(body))
+    for name in ("bom.jsonl", "bom.jsonl.gz"):
+        lines = list(storage.iter_lines(str(tmp_path / name)))
+        assert lines == [(1, b'{"a": 1}'), (2, storage.BOM + b"kept on line 2")], name
+    (tmp_path / "bom.json").write_bytes(storage.BOM + b'{"ok": true}')
+    assert storage.read_json(str(tmp_path / "bom.json")) == {"ok": True}
+
+
+def test_bad_json_is_an_error_naming_the_file(tmp_path) -> None:
+    (tmp_path / "state.json").write_text('{"step": 3,')
+    with pytest.raises(ValueError, match=r"state\.json is not valid JSON \(.* line 1, column 12\)"):
+        storage.read_json(str(tmp_path / "state.json"))
+    (tmp_path / "latin.json").write_bytes(b'{"caf\xe9": 1}')
+    with pytest.raises(ValueError, match=r"latin\.json is not valid JSON \(not UTF-8"):
+        storage.read_json(str(tmp_path / "latin.json"))
+
+
+def test_file_digest_is_the_sha256_and_size_of_what_was_written(tmp_path) -> None:
+    import hashlib
+
+    data = storage.tensor_bytes({"w": torch.ones(3)})
+    for url in (str(tmp_path / "t.safetensors"), "memory://flashdraft-test/d.safetensors"):
+        storage.write_bytes_atomic(url, data)
+        assert storage.file_digest(url) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert storage.json_bytes({"a": [1]}) == b'{\n  "a": [\n    1\n  ]\n}\n'

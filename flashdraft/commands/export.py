@@ -1,11 +1,11 @@
-"""`flashdraft export CHECKPOINT --output DIR [--format dflash|speculators]`."""
+"""`flashdraft export CHECKPOINT --output DIR [--format dflash|speculators] [--overwrite]`."""
 
 from __future__ import annotations
 
 import argparse
 
 from flashdraft import config as cfg
-from flashdraft.export import ExportConfig, save_export
+from flashdraft.export import ExportConfig, check_output, save_export
 from flashdraft.log import get_logger
 from flashdraft.train.checkpoint import load_drafter
 
@@ -18,12 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config: ExportConfig = cfg.from_args(ExportConfig, args)
+    check_output(config.output, config.overwrite)  # before the drafter loads
     drafter = load_drafter(config.checkpoint)
-    save_export(drafter, config.output, config.format, config.verifier)
+    save_export(drafter, config.output, config.format, config.verifier, config.overwrite)
     geometry = drafter.config
     log.info(
         f"wrote {config.format} drafter to {config.output}: {geometry.num_hidden_layers} layers, "
         f"B={geometry.block_size}, taps {geometry.target_layer_ids} (z-lab ids), "
-        f"mask token {geometry.mask_token_id}; reload check passed (identical weights and outputs)"
+        f"mask token {geometry.mask_token_id}; reload check passed (identical weights and outputs, "
+        "config.json as the engines read it)"
     )
     return 0

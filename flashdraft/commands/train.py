@@ -1,4 +1,5 @@
-"""`flashdraft train [--config RUN.toml | --preset NAME] [--set key=value ...] [--resume]`."""
+"""`flashdraft train [--config RUN.toml | --preset NAME] [--set key=value ...] [--resume]
+[--allow-config-change]`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ class TrainOptions:
     """The options of `flashdraft train` (the run itself is configured by its run config)."""
 
     run: RunSource = field(default_factory=RunSource)
-    resume: bool = option(False, help="continue from the run's latest complete checkpoint")
+    resume: bool = option(
+        False, help="continue from the run's newest checkpoint that verifies (its checksums)"
+    )
+    allow_config_change: bool = option(
+        False,
+        help="with --resume: continue even with settings that change what is trained or the "
+        "data order (recorded in the run's run_config_changes.jsonl)",
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)
@@ -44,5 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options: TrainOptions = cfg.from_args(TrainOptions, args)
-    train(options.run.load(), resume=options.resume)
+    if options.allow_config_change and not options.resume:
+        raise ValueError("--allow-config-change only applies with --resume")
+    train(
+        options.run.load(),
+        resume=options.resume,
+        allow_config_change=options.allow_config_change,
+    )
     return 0

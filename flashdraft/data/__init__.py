@@ -5,7 +5,8 @@ reference, and its verified fast path `template_fast`), the prepared Arrow datas
 (`dataset`), the `prepare` pipeline (`prepare`, over the parallel shard machinery `shards`),
 the `audit` checks and the sample `preview`, and on-policy regeneration with the target
 (`generate`: `jobs` in, the append-only `output_log` out, over the batched `inference`
-backends). Each command's options are one typed config here (`PrepareConfig`, `AuditConfig`,
+backends, `fast_inference` the static-cache continuous-batching one), and the prompts of
+the reference recipe split by source (`sources`). Each command's options are one typed config here (`PrepareConfig`, `AuditConfig`,
 `GenerateConfig`). May import `flashdraft.model` (to load the target for generation) and the
 base layer (`config`, `storage`, `log`); never `train`, `eval` or `commands`.
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,17 @@ def stream_bytes(batch: pa.RecordBatch) -> bytes:
         if batch.num_rows:
             writer.write_batch(batch)
     return bytes(sink.getvalue().to_pybytes())
+
+
+def filter_stream(data: bytes, keep: Callable[[str], bool]) -> tuple[bytes, dict[str, int]]:
+    """An Arrow stream of samples (`stream_bytes`) without the samples whose source `keep`
+    refuses, and the `token_counts` of what is left."""
+    table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    sources = table.column("source").to_pylist()
+    table = table.filter(pa.array([keep(s) for s in sources], type=pa.bool_()))
+    batches = table.combine_chunks().to_batches()
+    batch = batches[0] if batches else record_batch([])
+    return stream_bytes(batch), token_counts(batch)
 
 
 def data_file_name(index: int, count: int) -> str:
@@ -197,11 +208,15 @@ class ShardStore:
         return storage.join(self.output, name)
 
     def finished(self, index: int, digest: str) -> dict[str, Any] | None:
-        """The marker of shard `index` if it was finished from the same input."""
+        """The marker of shard `index` if it was finished from the same input and its data
+        file is still what was written (its sha256)."""
         marker = self.markers.get(index)
-        if marker and marker["digest"] == digest and storage.exists(self._url(marker["file"])):
-            return marker
-        return None
+        if not marker or marker["digest"] != digest:
+            return None
+        url = self._url(marker["file"])
+        if not storage.exists(url) or storage.file_digest(url)[0] != marker["sha256"]:
+            return None
+        return marker
 
     def save(
         self,
@@ -210,6 +225,7 @@ class ShardStore:
         data: bytes,
         counts: dict[str, int],
         rejects: list[tuple[str, str]],
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         name = f"{WORK}/shard-{index:05d}.arrow"
         storage.write_bytes_atomic(self._url(name), data)
@@ -220,6 +236,7 @@ class ShardStore:
             "sha256": hashlib.sha256(data).hexdigest(),
             "counts": counts,
             "rejects": rejects,
+            **(extra or {}),
         }
         # The marker is written last: a shard without one is redone on resume.
         self._write_marker(marker)
@@ -279,6 +296,20 @@ def _list_parts(column: pa.Array, dtype: type, url: str) -> tuple[np.ndarray, np
 
 
 def _read_batches(url: str) -> list[_Batch]:
+    """Every record batch of one data file; a file cut short or damaged is a ValueError
+    naming it, never a raw pyarrow error."""
+    try:
+        return _read_stream(url)
+    except (pa.ArrowException, OSError, EOFError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(
+            f"{url} is damaged or cut short ({err}); run the `flashdraft prepare` command "
+            "that wrote it again: it redoes the damaged parts"
+        ) from None
+
+
+def _read_stream(url: str) -> list[_Batch]:
     if storage.is_local(url):
         path = url.removeprefix("file://")
         source: Any = pa.memory_map(path, "r")

@@ -10,7 +10,8 @@ Accepted record shapes (one JSON object per line):
   "reasoning": str?, "system": str?}`, e.g. a target's regenerated completions (a list
   completion is TRL's conversational form: the assistant and tool turns that follow).
 
-A record may also carry `tools` (function schemas) for the chat template: `record_tools`.
+A record may also carry `tools` (function schemas) for the chat template: `record_tools`,
+and its own `id` (`record_id`), which must be unique within a dataset.
 Empty reasoning (`""`, `<think>\n\n</think>`) is no reasoning: it is never trained.
 
 `parse_record` reads a conversation to train on (it has an assistant turn); `parse_prompt`
@@ -249,6 +250,14 @@ def record_tools(record: Any) -> list[dict[str, Any]] | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RecordError("'tools' must be a list of function schemas")
     return tools or None
+
+
+def record_id(record: Any) -> str | None:
+    """A record's own `id` (a non-empty string or an integer), as text; None without one."""
+    own = record.get("id") if isinstance(record, dict) else None
+    if isinstance(own, str | int) and not isinstance(own, bool) and str(own):
+        return str(own)
+    return None
 
 
 def parse_line(raw: bytes) -> Any:

@@ -89,10 +89,15 @@ class GenerateConfig:
     turns: Literal["last", "all"] = option(
         "last", help="regenerate the last assistant turn of each conversation, or each one"
     )
-    backend: Literal["auto", "hf", "vllm"] = option(
-        "auto", help="auto: vllm when it is installed and the device is cuda, else hf"
+    backend: Literal["auto", "hf", "static", "vllm"] = option(
+        "auto",
+        help="auto: vllm when it is installed and the device is cuda, else static on cuda "
+        "(static KV cache, continuous batching, CUDA graphs) for the targets it supports, "
+        "else hf",
     )
-    batch_size: int = option(32, ge=1, help="prompts per batch at most")
+    batch_size: int = option(
+        32, ge=1, help="prompts per batch at most (static backend: prompts decoded at once)"
+    )
     max_batch_tokens: int | None = option(
         None, ge=1, help="token budget per batch: rows × (longest prompt + max new tokens)"
     )
@@ -294,6 +299,8 @@ def generate(config: GenerateConfig, summary: Summary | None = None) -> Summary:
         device=config.device,
         dtype=config.dtype,
         vllm_kwargs=config.vllm_kwargs,
+        batch_size=config.batch_size,
+        max_batch_tokens=config.max_batch_tokens,
     )
     return run_generation(config, backend, tokenizer, output=output, summary=summary)
 

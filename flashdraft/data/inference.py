@@ -1,13 +1,18 @@
 """Batched generation with the target: prompt token ids in, generated token ids out.
 
-Two backends behind one small interface, so `generate` writes identical records with either:
+Three backends behind one small interface, so `generate` writes identical records with any:
 
 * `HFBackend`: transformers `generate` on left-padded batches with its KV cache, on any device.
   The reference: its greedy output equals `model.generate` on each prompt alone.
+* `StaticBackend`: continuous batching in the slots of a static KV cache, the decode step
+  captured as CUDA graphs (`flashdraft.data.fast_inference`); the fast path on GPUs when vLLM
+  is not installed, for the target layouts `flashdraft.model.static` supports. Its greedy
+  output equals the HF backend's (tested on CPU); at T > 0 a request's tokens depend only on
+  its seed, not on the requests it shared steps with.
 * `VLLMBackend`: vLLM offline inference (continuous batching, the fast path on GPUs).
   UNTESTED: vllm cannot be installed where this repository's tests run.
 
-Both stop on the same ids: the target's generation_config eos ids (the real end of turn; a
+All stop on the same ids: the target's generation_config eos ids (the real end of turn; a
 tokenizer's `eos_token` can be wrong, e.g. SmolLM2's names `<|im_start|>` in some versions)
 plus any extra ids the user gives.
 """
@@ -24,7 +29,12 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from flashdraft import config as cfg
 from flashdraft.config import option
+from flashdraft.data.fast_inference import SlotDecoder, cache_length
+from flashdraft.log import get_logger
+from flashdraft.model.static import unsupported_reason
 from flashdraft.model.target import DTYPES, load_target
+
+log = get_logger(__name__)
 
 # `--dtype` values: the target dtypes by name, or auto (bfloat16 on CUDA, float32 on CPU).
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -198,6 +208,77 @@ class _TokenCounter:
         pass
 
 
+class StaticBackend:
+    """Continuous batching on a static KV cache (`SlotDecoder`): `slots` requests decode at
+    once, each refilled as soon as its request ends. Gets a whole window of prompts per call.
+
+    The cache holds slots x (longest prompt + max_new_tokens + a window) positions, sized on
+    the first call and grown when a later call needs longer rows; `max_batch_tokens` caps
+    slots x row length (fewer slots for long prompts), as it caps the HF backend's batches.
+    Request i of a call samples with seed `seed + i` (as vLLM's backend does).
+    """
+
+    name = "static"
+    schedules_batches = True
+
+    def __init__(
+        self,
+        model: Any,
+        sampling: Sampling,
+        stop_ids: list[int],
+        *,
+        slots: int = 32,
+        max_batch_tokens: int | None = None,
+        sync_every: int = 8,
+        graphs: bool | None = None,
+    ):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"--backend static cannot run this target ({reason}); use hf")
+        self.model, self.sampling, self.stop_ids = model, sampling, stop_ids
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = limit if isinstance(limit, int) else None
+        self.slots, self.max_batch_tokens = slots, max_batch_tokens
+        self.sync_every, self.graphs = sync_every, graphs
+        self._decoder: SlotDecoder | None = None
+
+    def _decoder_for(self, prompts: list[list[int]]) -> SlotDecoder:
+        length = cache_length(
+            max(len(p) for p in prompts), self.sampling.max_new_tokens, self.sync_every
+        )
+        if self._decoder is not None and self._decoder.max_len >= length:
+            return self._decoder
+        slots = self.slots
+        if self.max_batch_tokens is not None:
+            slots = max(1, min(slots, self.max_batch_tokens // length))
+        self._decoder = None  # free the old cache before allocating the new one
+        s = self.sampling
+        self._decoder = SlotDecoder(
+            self.model,
+            slots,
+            length,
+            max_new_tokens=s.max_new_tokens,
+            stop_ids=self.stop_ids,
+            temperature=s.temperature,
+            top_k=0 if s.greedy else s.top_k,
+            top_p=1.0 if s.greedy else s.top_p,
+            sync_every=self.sync_every,
+            graphs=self.graphs,
+        )
+        log.info(f"generate: static cache of {slots} slots x {length} positions")
+        return self._decoder
+
+    def generate(
+        self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]
+    ) -> list[Generated]:
+        if not prompts:
+            return []
+        decoder = self._decoder_for(prompts)
+        seeds = [(seed + i) % 2**63 for i in range(len(prompts))]
+        stop = set(self.stop_ids)
+        return [finish(tokens, stop) for tokens in decoder.generate(prompts, seeds, on_tokens)]
+
+
 class VLLMBackend:
     """vLLM offline inference. UNTESTED (vllm is not installable in this repository's CI).
 
@@ -265,15 +346,30 @@ def load_backend(
     device: str | None = None,
     dtype: str = "auto",
     vllm_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 32,
+    max_batch_tokens: int | None = None,
 ) -> GenerationBackend:
-    """`auto` is vLLM when it is installed and a GPU is there, else HF."""
+    """`auto` is vLLM when it is installed and a GPU is there; else, on a GPU, the static
+    backend when it supports the target; else HF. `batch_size` is the static backend's
+    number of slots (the HF backend gets its batches from `generate`)."""
+    if name not in ("auto", "hf", "static", "vllm"):
+        raise ValueError(f"unknown backend {name!r} (auto, hf, static, vllm)")
     has_vllm = importlib.util.find_spec("vllm") is not None
-    if name == "auto":
-        name = "vllm" if has_vllm and default_device(device) == "cuda" else "hf"
+    device = default_device(device)
+    if name == "auto" and has_vllm and device.startswith("cuda"):
+        name = "vllm"
     if name == "vllm":
         if not has_vllm:
             raise ValueError("--backend vllm, but vllm is not installed (pip install vllm)")
         return VLLMBackend(target, sampling, stop_ids, dtype=dtype, engine_kwargs=vllm_kwargs)
-    if name != "hf":
-        raise ValueError(f"unknown backend {name!r} (auto, hf, vllm)")
-    return HFBackend.load(target, sampling, stop_ids, pad_id, device=device, dtype=dtype)
+    model = load_target(target, resolve_dtype(dtype, device), None, device)
+    if name == "auto":
+        reason = unsupported_reason(model) if device.startswith("cuda") else "not on a GPU"
+        name = "static" if reason is None else "hf"
+        if reason is not None and device.startswith("cuda"):
+            log.info(f"generate: the HF backend runs: the static one does not support {reason}")
+    if name == "static":
+        return StaticBackend(
+            model, sampling, stop_ids, slots=batch_size, max_batch_tokens=max_batch_tokens
+        )
+    return HFBackend(model, sampling, stop_ids, pad_id)

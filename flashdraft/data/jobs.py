@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from flashdraft.data.formats import Message, parse_prompt
+from flashdraft.data.formats import Message, parse_prompt, record_id
 
 
 @dataclass(slots=True)
@@ -32,9 +32,9 @@ class BadInput:
 
 def record_key(record: dict[str, Any]) -> str:
     """The record's own id, else a hash of its content: the same record, the same key."""
-    own = record.get("id")
-    if isinstance(own, str | int) and not isinstance(own, bool) and str(own):
-        return str(own)
+    own = record_id(record)
+    if own is not None:
+        return own
     canonical = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

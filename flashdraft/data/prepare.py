@@ -14,12 +14,16 @@ Resume. `OUT/.work/` keeps the run's settings (`data_settings`: the config field
 "data") and, per finished shard, a marker: counts, rejects and a digest of the shard's input
 lines. Running again into OUT with the same settings skips every shard whose marker matches
 its input, redoes an interrupted one (it has no marker), and finishes; different settings
-are refused unless `--overwrite`.
+are refused unless `--overwrite`. A finished dataset (one with a manifest) records the size
+and sha256 of every input: when they differ, running again is refused unless `--overwrite`
+(which still reuses the shards whose input lines did not change).
 
 Checks. A bad record (malformed JSON, invalid UTF-8, unknown role, non-alternating turns,
 an empty assistant turn, a template failure, a sample over `--max-length` with
-`--overlong drop`) is counted and written to `rejects.jsonl`, never fatal on its own; more
-than `--max-reject-rate` of them fails the run. Then the audit checks (`flashdraft.data.audit`)
+`--overlong drop`, an `id` that an earlier record already has) is counted and written to
+`rejects.jsonl`, never fatal on its own; more than `--max-reject-rate` of them fails the run.
+Inputs without a single record are refused ("no records in FILE") before anything is
+written. Then the audit checks (`flashdraft.data.audit`)
 run on the written dataset and fail the run unless `--allow-degenerate`. A failed dataset
 is written with `status: failed` in its manifest, which the trainer refuses; fix the cause
 or the thresholds and run again (finished shards are reused).
@@ -47,14 +51,21 @@ from flashdraft.data.dataset import (
     MANIFEST,
     REJECTS,
     ShardStore,
+    filter_stream,
     open_dataset,
     record_batch,
     stream_bytes,
     token_counts,
 )
-from flashdraft.data.formats import RecordError, parse_line, parse_record, record_tools
+from flashdraft.data.formats import (
+    RecordError,
+    parse_line,
+    parse_record,
+    record_id,
+    record_tools,
+)
 from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices
-from flashdraft.data.shards import Inputs, Lines, ShardResult, process_shards
+from flashdraft.data.shards import Inputs, Lines, ShardResult, inputs_difference, process_shards
 from flashdraft.data.template import (
     RenderedSample,
     TemplateOptions,
@@ -118,7 +129,7 @@ class PrepareConfig:
         tags=_RECORDED,
     )
     overwrite: bool = option(
-        False, help="replace a dataset prepared in --output with other settings"
+        False, help="replace a dataset prepared in --output with other settings or inputs"
     )
     progress: bool = option(True, help="progress bar on standard error (--no-progress: none)")
     thresholds: Thresholds = field(default_factory=Thresholds)  # recorded whole
@@ -166,15 +177,17 @@ class ShardProcessor:
     def __call__(self, index: int, lines: Lines) -> ShardResult:
         started = time.process_time()
         rejects: list[tuple[str, str]] = []
-        rendered = self._render(lines, rejects)
+        record_ids: list[tuple[str, str]] = []
+        rendered = self._render(lines, rejects, record_ids)
         encoded = encode(self.tokenizer, [sample for _, sample in rendered])
         rows: list[tuple[np.ndarray, np.ndarray, str]] = []
-        truncated = 0
+        truncated: list[str] = []
         for (source, _), result in zip(rendered, encoded, strict=True):
             if not isinstance(result, RecordError):
                 ids, mask = result
                 result = self._fit(ids, mask)
-                truncated += not isinstance(result, RecordError) and len(result[0]) < len(ids)
+                if not isinstance(result, RecordError) and len(result[0]) < len(ids):
+                    truncated.append(source)
             if isinstance(result, RecordError):
                 rejects.append((source, str(result)))
                 continue
@@ -185,7 +198,7 @@ class ShardProcessor:
             "records": len(lines),
             "samples": totals["samples"],
             "rejected": len(rejects),
-            "truncated": truncated,
+            "truncated": len(truncated),
             "tokens": totals["tokens"],
             "loss_tokens": totals["loss_tokens"],
         }
@@ -195,12 +208,15 @@ class ShardProcessor:
             counts=counts,
             rejects=rejects,
             cpu_seconds=time.process_time() - started,
+            ids=record_ids,
+            truncated=truncated,
         )
 
     def _render(
-        self, lines: Lines, rejects: list[tuple[str, str]]
+        self, lines: Lines, rejects: list[tuple[str, str]], record_ids: list[tuple[str, str]]
     ) -> list[tuple[str, RenderedSample]]:
-        """(source, sample) for every sample of the good records; bad ones go to `rejects`."""
+        """(source, sample) for every sample of the good records; bad ones go to `rejects`,
+        (source, id) of the good ones that have their own id to `record_ids`."""
         rendered = []
         for source, raw in lines:
             try:
@@ -209,6 +225,9 @@ class ShardProcessor:
             except RecordError as err:
                 rejects.append((source, str(err)))
                 continue
+            own = record_id(record)
+            if own is not None:
+                record_ids.append((source, own))
             # The last sample holds the record's last trained turn; earlier ones are the
             # turns a template rewrote, named by their message index.
             rendered += [
@@ -250,6 +269,65 @@ class PrepareResult:
         return self.manifest["status"] == "complete"
 
 
+class DuplicateIds:
+    """Records whose own `id` an earlier record already has are rejected, as `generate`
+    does: decided in input order across shards (an `OrderedStage`), so the first one wins
+    whatever the number of workers, and again on resume (a reused shard's marker records
+    its ids and the duplicates it dropped; if those differ now, the shard is redone)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, str] = {}  # id -> source of the record that has it first
+
+    def _duplicates(self, ids: list[tuple[str, str]]) -> tuple[dict[str, str], dict[str, str]]:
+        """({source of a duplicate: source of the first}, {new id: its source})."""
+        duplicates: dict[str, str] = {}
+        new: dict[str, str] = {}
+        for source, own in ids:
+            first = self.first.get(own) or new.get(own)
+            if first is None:
+                new[own] = source
+            else:
+                duplicates[source] = first
+        return duplicates, new
+
+    def apply(self, result: ShardResult) -> ShardResult:
+        duplicates, new = self._duplicates(result.ids)
+        self.first.update(new)
+        result.extra = {"ids": result.ids, "duplicates": list(duplicates)}
+        if not duplicates:
+            return result
+        by_id = dict(result.ids)
+
+        def record_of(source: str) -> str:  # a sample "file:line#turn" -> its record
+            return source if source in duplicates else source.rsplit("#", 1)[0]
+
+        result.data, totals = filter_stream(result.data, lambda s: record_of(s) not in duplicates)
+        result.counts = {
+            **result.counts,
+            **totals,
+            "rejected": result.counts["rejected"] + len(duplicates),
+            "truncated": sum(record_of(s) not in duplicates for s in result.truncated),
+        }
+        result.rejects = [
+            *result.rejects,
+            *(
+                (source, f"duplicate id {by_id[source]!r} (ids must be unique; first at {first})")
+                for source, first in duplicates.items()
+            ),
+        ]
+        return result
+
+    def replay(self, marker: dict[str, Any]) -> bool:
+        if "ids" not in marker:  # a shard of an earlier version: its ids are unknown
+            return False
+        ids = [(str(source), str(own)) for source, own in marker["ids"]]
+        duplicates, new = self._duplicates(ids)
+        if list(duplicates) != marker["duplicates"]:
+            return False
+        self.first.update(new)
+        return True
+
+
 def prepare(config: PrepareConfig) -> PrepareResult:
     """Run the whole pipeline; the dataset and its manifest are in `config.output`."""
     started = time.perf_counter()
@@ -261,6 +339,8 @@ def prepare(config: PrepareConfig) -> PrepareResult:
             "note: the chat template has no enable_thinking switch; --thinking off acts as strip"
         )
     tokenizer_sha256 = tokenizer_fingerprint(tokenizer)
+    check_inputs_unchanged(config, files)
+    created = not storage.exists(config.output)
     store = ShardStore(
         config.output, data_settings(config, tokenizer_sha256), overwrite=config.overwrite
     )
@@ -280,17 +360,24 @@ def prepare(config: PrepareConfig) -> PrepareResult:
         shard_size=config.shard_size,
         workers=workers,
         progress=config.progress,
+        ordered=DuplicateIds(),
     )
     process_seconds = time.perf_counter() - process_started
+    _check_records(inputs, config.output if created else None)
 
     names = store.finalize(processed.markers)
     manifest = _manifest(config, inputs, tokenizer_sha256, processed.markers, names)
     manifest_url = storage.join(config.output, MANIFEST)
     # Written before the checks so that a crash in them never leaves a "complete" dataset.
     storage.write_json_atomic(manifest_url, manifest)
-
-    dataset = open_dataset(config.output, require_complete=False)
-    audit = audit_dataset(dataset, tokenizer, config.thresholds)
+    try:
+        dataset = open_dataset(config.output, require_complete=False)
+        audit = audit_dataset(dataset, tokenizer, config.thresholds)
+    except BaseException as err:  # interrupted or failed: "failed", never left "checking"
+        manifest["status"] = "failed"
+        manifest["problems"] = [f"the checks did not finish ({type(err).__name__}: {err})"]
+        storage.write_json_atomic(manifest_url, manifest)
+        raise
     problems = _reject_problems(config, manifest)
     degenerate = audit.problems
     if audit.problems and config.allow_degenerate and audit.samples:
@@ -314,6 +401,42 @@ def prepare(config: PrepareConfig) -> PrepareResult:
         process_seconds=process_seconds,
         worker_cpu_seconds=processed.cpu_seconds,
         reused_shards=processed.reused,
+    )
+
+
+def check_inputs_unchanged(config: PrepareConfig, files: list[str]) -> None:
+    """A finished dataset in `--output` (it has a manifest) was prepared from exactly these
+    inputs (URLs, sizes, sha256), or `--overwrite` is given; else FileExistsError."""
+    url = storage.join(config.output, MANIFEST)
+    if config.overwrite or not storage.exists(url):
+        return
+    manifest = storage.read_json(url)
+    recorded = manifest.get("inputs") if isinstance(manifest, dict) else None
+    if not isinstance(recorded, list):
+        return  # not one of ours: ShardStore refuses it
+    difference = inputs_difference(recorded, files)
+    if difference is not None:
+        raise FileExistsError(
+            f"output {config.output!r} holds a dataset prepared from other inputs ({difference}); "
+            "pass --overwrite to replace it, or choose another --output"
+        )
+
+
+def _check_records(inputs: Inputs, created: str | None) -> None:
+    """Refuse inputs without a single record, before anything but the resume state exists
+    (removed again when this run `created` the output); warn about each empty file."""
+    empty = [r["url"] for r in inputs.records if r["records"] == 0]
+    if len(empty) < len(inputs.records):
+        for url in empty:
+            log.warning(f"prepare: no records in {url} (an empty input; the others are used)")
+        return
+    if created is not None:
+        fs, path = storage.filesystem(created)
+        fs.rm(path, recursive=True)
+    raise ValueError(
+        f"no records in {' or '.join(empty)}: "
+        + ("the file is empty" if len(empty) == 1 else "every input is empty")
+        + " (or has only blank lines)"
     )
 
 

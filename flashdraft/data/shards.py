@@ -6,7 +6,9 @@ number of records (`Inputs`). Each shard goes to a processor (`prepare.ShardProc
 spawned worker process, or in this process with one worker, and comes back as Arrow bytes
 (`ShardResult`); `process_shards` saves each result into the `ShardStore` with its resume
 marker, in input order, and reuses the shards a previous run finished from the same input.
-Nothing here knows what a shard becomes.
+What must be decided across shards (duplicate record ids) is an `OrderedStage`, run in the
+main process on each shard in input order, replayed on reused ones. Nothing here knows what a
+shard becomes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import fsspec
 from tqdm import tqdm
@@ -37,6 +39,19 @@ class ShardResult:
     counts: dict[str, int]
     rejects: list[tuple[str, str]]
     cpu_seconds: float  # of the worker, for throughput reports (never stored: not reproducible)
+    ids: list[tuple[str, str]] = field(default_factory=list)  # (source, own id) per record
+    truncated: list[str] = field(default_factory=list)  # sources of samples cut to length
+    extra: dict[str, Any] = field(default_factory=dict)  # stored in the shard's marker
+
+
+class OrderedStage(Protocol):
+    """A decision across shards, made in input order in the main process: `apply` to each
+    newly processed shard's result (before it is saved; `extra` goes into its marker),
+    `replay` each reused shard's marker (False: the decision differs now, redo the shard)."""
+
+    def apply(self, result: ShardResult) -> ShardResult: ...
+
+    def replay(self, marker: dict[str, Any]) -> bool: ...
 
 
 # index, lines -> result; built in each worker by a picklable factory.
@@ -91,8 +106,8 @@ class Inputs:
                 # than through storage.iter_lines, which only sees decompressed lines.
                 hashing = _HashingReader(raw)
                 stream = storage.decompress(io.BufferedReader(hashing, 1 << 20), url)
-                for number, line in enumerate(stream, start=1):
-                    line = line.rstrip(b"\r\n")
+                for number, raw_line in enumerate(stream, start=1):
+                    line = storage.clean_line(raw_line, number)  # newline and BOM off
                     if not line.strip():
                         continue
                     records += 1
@@ -111,6 +126,28 @@ class Inputs:
             )
         if lines:
             yield Shard(index, lines, _digest(lines), done_bytes)
+
+
+def inputs_difference(recorded: list[dict[str, Any]], files: list[str]) -> str | None:
+    """How `files` differ from the inputs an earlier run recorded (`Inputs.records`; None:
+    they do not): the list of files first, then each file's size and sha256 as stored."""
+    before = [r["url"] for r in recorded]
+    if before != files:
+        gone, added = sorted(set(before) - set(files)), sorted(set(files) - set(before))
+        if gone or added:
+            return "; ".join(
+                [f"no longer given: {', '.join(gone)}"] * bool(gone)
+                + [f"new: {', '.join(added)}"] * bool(added)
+            )
+        return "the same files in another order"
+    for record in recorded:  # sizes first: cheap
+        size = _size(record["url"])
+        if size != record["size"]:
+            return f"{record['url']} has {size:,} bytes, {record['size']:,} when prepared"
+    for record in recorded:
+        if storage.file_digest(record["url"])[0] != record["sha256"]:
+            return f"{record['url']} changed since it was prepared (its sha256 differs)"
+    return None
 
 
 def _size(url: str) -> int:
@@ -194,11 +231,13 @@ def process_shards(
     shard_size: int,
     workers: int,
     progress: bool,
+    ordered: OrderedStage | None = None,
 ) -> Processed:
     """Every shard of `inputs`, reused when finished before, else processed and saved.
 
     `make_processor` builds the processor, once per worker process (it must pickle for
-    more than one worker); the workers start only once a shard needs them.
+    more than one worker); the workers start only once a shard needs them. `ordered` sees
+    every shard in input order (see `OrderedStage`).
     """
     executor: _InlineExecutor | _PoolExecutor | None = None
     # At most this many shards are read ahead of the oldest unfinished one (memory bound).
@@ -211,14 +250,35 @@ def process_shards(
         total=inputs.total_bytes, unit="B", unit_scale=True, desc="prepare", disable=not progress
     )
 
+    def submit(shard: Shard) -> Future[ShardResult]:
+        nonlocal executor
+        if executor is None:
+            executor = (
+                _InlineExecutor(make_processor)
+                if workers == 1
+                else _PoolExecutor(make_processor, workers)
+            )
+        future = executor.submit(shard.index, shard.lines)
+        shard.lines = []  # the worker has them; free the memory
+        return future
+
     def finish_one() -> None:
         nonlocal done_bytes
         shard, future, marker = pending.popleft()
+        if marker is not None and ordered is not None and not ordered.replay(marker):
+            future, marker = submit(shard), None  # finished before, but decided otherwise now
         if future is not None:
             result = future.result()
             out.cpu_seconds += result.cpu_seconds
+            if ordered is not None:
+                result = ordered.apply(result)
             marker = store.save(
-                result.index, shard.digest, result.data, result.counts, result.rejects
+                result.index,
+                shard.digest,
+                result.data,
+                result.counts,
+                result.rejects,
+                extra=result.extra,
             )
         else:
             out.reused += 1
@@ -232,16 +292,7 @@ def process_shards(
     try:
         for shard in inputs.shards(shard_size):
             marker = store.finished(shard.index, shard.digest)
-            future = None
-            if marker is None:
-                if executor is None:
-                    executor = (
-                        _InlineExecutor(make_processor)
-                        if workers == 1
-                        else _PoolExecutor(make_processor, workers)
-                    )
-                future = executor.submit(shard.index, shard.lines)
-                shard.lines = []  # the worker has them; free the memory
+            future = submit(shard) if marker is None else None
             pending.append((shard, future, marker))
             while len(pending) > window:
                 finish_one()

@@ -9,8 +9,12 @@ command loads it (`flashdraft.train.checkpoint.load_drafter`) after the target, 
 written by `flashdraft.eval.report` (its docstring lists every field).
 
 `evaluate_drafter` is the measurement itself as a plain function, for in-training evaluation:
-every prompt decoded by the speculative loop (`flashdraft.eval.speculative`), and, as the
-reference, by the target alone (B = 1) on the same prompts.
+every prompt decoded by the speculative loop, and, as the reference, by the target alone
+(B = 1) on the same prompts. Two implementations of the loop, chosen once per evaluation
+(`choose_decoder`): the HF one (`flashdraft.eval.speculative`: HF forward, DynamicCache,
+eager) and the static one (`flashdraft.eval.fast`: static caches, one CUDA graph per step),
+the default on CUDA for targets it supports. Both loops of one evaluation use the same kind,
+so the speedup compares like with like; the report says how each ran (`loops`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from tqdm.auto import tqdm
 from flashdraft import config as cfg
 from flashdraft.config import option
 from flashdraft.data.inference import resolve_dtype
+from flashdraft.eval.fast import StaticDecoder, required_len
 from flashdraft.eval.prompts import EvalPrompt, as_prompt, load_prompts
 from flashdraft.eval.report import (
     TIE_TOLERANCE,
@@ -36,11 +41,17 @@ from flashdraft.eval.report import (
     timing,
 )
 from flashdraft.eval.speculative import Decoder, DecodeResult, Sampler, decode, eos_token_ids
+from flashdraft.log import get_logger
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.head import TargetHead
+from flashdraft.model.static import StaticLM, unsupported_reason
 from flashdraft.model.target import LayerTaps, decoder_layers, load_target
 
+log = get_logger(__name__)
+
 REPORT = ("report",)  # settings `flashdraft eval` records in its report
+Decoders = Literal["auto", "hf", "static"]
+HF_LOOP = {"decoder": "hf", "graphs": False, "compiled": False, "batch_size": 1}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +80,19 @@ class EvalConfig:
         help="the target-alone run (B = 1) for the lossless check and the speedup: "
         "--no-reference skips it",
     )
+    decoder: Decoders = option(
+        "auto",
+        help="the decode loop, for both runs: static (static KV caches, one CUDA graph per "
+        "step), hf (HF forward + DynamicCache, eager); auto: static on CUDA for the targets "
+        "it supports (Llama, Mistral, Qwen2, Qwen3 layouts), else hf",
+        tags=REPORT,
+    )
+    compile: bool = option(
+        True,
+        help="static decoder on CUDA: torch.compile the target's step before capturing it "
+        "(~30 s per block size, once; --no-compile: graphs of eager kernels)",
+        tags=REPORT,
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)
@@ -93,15 +117,38 @@ def check_compatible(drafter: DFlashDrafter, target: Any) -> None:
         problems.append(f"vocab size {config.vocab_size} vs the target's {vocab}")
     if problems:
         raise ValueError("the drafter does not fit this target: " + "; ".join(problems))
+    TargetHead.from_model(target).check_drafter(config)
 
 
 # ---- the measurement ----
 
 
+def choose_decoder(requested: str, target: nn.Module) -> str:
+    """ "static" or "hf" for `requested` (auto / hf / static) and this target (ValueError
+    when static is asked of a target it cannot run)."""
+    if requested not in ("auto", "hf", "static"):
+        raise ValueError(f"decoder {requested!r}: use auto, hf or static")
+    if requested == "hf":
+        return "hf"
+    reason = unsupported_reason(target)
+    if requested == "static" and reason is not None:
+        raise ValueError(f"decoder 'static' cannot run this target ({reason}); use --decoder hf")
+    if requested == "static":
+        return "static"
+    if next(target.parameters()).device.type != "cuda":
+        return "hf"  # on a CPU both are eager; the HF loop is the reference
+    if reason is not None:
+        log.info(f"eval: the HF decode loop runs: the static one does not support {reason}")
+        return "hf"
+    return "static"
+
+
 @dataclass(slots=True)
 class _Loop:
     """Decodes one prompt, speculatively (the drafter proposes B - 1 tokens per step) or with
-    the target alone, seeded per prompt so that both runs of a prompt sample alike."""
+    the target alone, seeded per prompt so that both runs of a prompt sample alike. With
+    `max_len` set, it runs the static loops (built on first use, sharing one target cache);
+    else the HF loop."""
 
     target: nn.Module
     drafter: DFlashDrafter
@@ -110,16 +157,56 @@ class _Loop:
     seed: int
     eos: frozenset[int]
     taps: LayerTaps | None  # hooks the caller holds on the target, else added per prompt
+    max_len: int | None = None  # static caches of this many slots; None: the HF loop
+    compile_backend: str | None = None
     head: TargetHead = field(init=False)
     device: torch.device = field(init=False)
+    static: dict[bool, StaticDecoder] = field(init=False, default_factory=dict)
+    lm: StaticLM | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.head = TargetHead.from_model(self.target)
         self.device = next(self.target.parameters()).device
 
+    def info(self, speculative: bool) -> dict[str, Any]:
+        """How the speculative or the B = 1 loop runs, for the report."""
+        return self._static(speculative).info if self.max_len is not None else dict(HF_LOOP)
+
+    def use_static(self, max_len: int, compile_backend: str | None) -> None:
+        """Run the static loops from now on: one target cache of `max_len` slots with the
+        drafter's taps (the B = 1 loop ignores them), checked against an HF forward
+        (ValueError if it differs)."""
+        taps = list(self.drafter.config.target_layer_ids)
+        lm = StaticLM(self.target, 1, max_len, taps)
+        try:
+            lm.verify()
+        finally:  # an HF forward: the caller's hooks fired; leave them empty
+            if self.taps is not None:
+                self.taps.captured.clear()
+        self.lm, self.max_len, self.compile_backend = lm, max_len, compile_backend
+
+    def _static(self, speculative: bool) -> StaticDecoder:
+        if speculative not in self.static:
+            assert self.max_len is not None and self.lm is not None
+            self.static[speculative] = StaticDecoder(
+                self.target,
+                max_len=self.max_len,
+                drafter=self.drafter if speculative else None,
+                head=self.head if speculative else None,
+                block_size=self.block_size if speculative else 1,
+                temperature=self.temperature,
+                eos_ids=self.eos,
+                compile_backend=self.compile_backend,
+                lm=self.lm,
+            )
+        return self.static[speculative]
+
     def run(
         self, prompt: EvalPrompt, speculative: bool, new_tokens: int, index: int
     ) -> DecodeResult:
+        if self.max_len is not None:
+            static = self._static(speculative)
+            return static.decode(prompt.input_ids, new_tokens, seed=self.seed + index)
         generator = torch.Generator(device=self.device).manual_seed(self.seed + index)
         sampler = Sampler(self.temperature, generator)
         if not speculative:
@@ -160,6 +247,21 @@ def _decode_all(
     return spec, base
 
 
+def _use_static(
+    loop: _Loop, decoder: str, items: list[EvalPrompt], max_new_tokens: int, compile: bool
+) -> None:
+    """Switch `loop` to the static loops, with caches for the longest prompt; if the static
+    forward fails its check against HF's, `auto` keeps the HF loop (and says so)."""
+    longest = max(len(p.input_ids) for p in items)
+    slots = -(-required_len(longest, max_new_tokens, loop.block_size) // 64) * 64
+    try:
+        loop.use_static(slots, "inductor" if compile else None)
+    except ValueError as err:
+        if decoder == "static":
+            raise
+        log.warning(f"eval: the HF decode loop runs instead of the static one: {err}")
+
+
 def evaluate_drafter(
     target: nn.Module,
     tokenizer: Any,
@@ -174,6 +276,8 @@ def evaluate_drafter(
     taps: LayerTaps | None = None,
     progress: bool = False,
     tie_tolerance: float | None = None,
+    decoder: str = "auto",
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Run the real draft-and-verify loop on `prompts` and return the report dict.
 
@@ -186,14 +290,18 @@ def evaluate_drafter(
     target (they must tap the drafter's layers); otherwise hooks are added per prompt and
     removed after it, so the B = 1 baseline runs hook-free. At T = 0 a prompt whose output
     differs from the baseline gets a `mismatch` diagnosis (`report.diagnose_mismatch`);
-    `tie_tolerance` defaults to `TIE_TOLERANCE` of the target's dtype.
+    `tie_tolerance` defaults to `TIE_TOLERANCE` of the target's dtype. `decoder` picks the
+    loop (`choose_decoder`; the static one reads its taps itself and ignores `taps`);
+    `compile` compiles the static loop's target step on CUDA.
     """
     check_compatible(drafter, target)
     block = block_size or drafter.config.block_size
     eos = eos_token_ids(target, tokenizer)
+    items = [as_prompt(p, i, tokenizer) for i, p in enumerate(prompts)]
     loop = _Loop(target, drafter, block, temperature, seed, eos, taps)
     cuda = loop.device.type == "cuda"
-    items = [as_prompt(p, i, tokenizer) for i, p in enumerate(prompts)]
+    if choose_decoder(decoder, target) == "static" and items:
+        _use_static(loop, decoder, items, max_new_tokens, compile and cuda)
     if reference is None:
         reference = temperature == 0.0 or cuda
     spec, base = _decode_all(loop, items, max_new_tokens, reference, progress)
@@ -213,6 +321,11 @@ def evaluate_drafter(
     gain = speedup(report["timing"]) if cuda and base else None
     if gain is not None:
         report["speedup"] = gain
+    # How each loop ran, next to the speedup (both use the same kind of loop).
+    report["loops"] = {
+        "speculative": loop.info(True),
+        **({"baseline": loop.info(False)} if base else {}),
+    }
     report["settings"] = {
         "block_size": block,
         "drafter_block_size": drafter.config.block_size,
@@ -262,6 +375,8 @@ def run_eval(
         seed=config.seed,
         reference=None if config.reference else False,
         progress=True,
+        decoder=config.decoder,
+        compile=config.compile,
     )
     report["settings"].update(cfg.settings(config, "report"))
     return report

@@ -19,7 +19,9 @@ The report holds:
   `lossless_prompts` (identical), `near_tie_prompts` and `unexplained_mismatch_prompts`;
   `lossless_up_to_ties` is true when nothing is unexplained (anything unexplained is a bug);
 * `speedup` (CUDA only): decode time per output token with B = 1 over that with B, on the
-  same prompts, prefill excluded; plus counts, settings and timings.
+  same prompts, prefill excluded; `loops` says how each of the two loops ran (`decoder`:
+  static caches or HF's; `graphs`, `compiled`, `batch_size`), as a speedup means little
+  without it; plus counts, settings and timings.
 """
 
 from __future__ import annotations
@@ -212,6 +214,16 @@ def timing(spec: Sequence[DecodeResult], base: Sequence[DecodeResult]) -> dict[s
     return out
 
 
+def describe_loop(loop: dict[str, Any]) -> str:
+    """A loop's `loops` entry in words, e.g. "static KV cache, compiled, CUDA graphs, batch 1"."""
+    words = ["static KV cache" if loop.get("decoder") == "static" else "HF DynamicCache"]
+    words.append("compiled" if loop.get("compiled") else "eager kernels")
+    if loop.get("graphs"):
+        words.append("CUDA graphs")
+    words.append(f"batch {loop.get('batch_size', 1)}")
+    return ", ".join(words)
+
+
 def speedup(timings: dict[str, Any]) -> float | None:
     """Decode time per output token, B = 1 over B (None without both)."""
     base = timings.get("baseline_time_per_output_token_ms")
@@ -292,5 +304,10 @@ def format_summary(report: dict[str, Any]) -> str:
             )
         lines.append(line + ")")
     if "speedup" in report:
-        lines.append(f"speedup {report['speedup']:.2f}x (decode time per token, B=1 / B)")
+        line = f"speedup {report['speedup']:.2f}x (decode time per token, B=1 / B)"
+        loops = report.get("loops", {})
+        if "speculative" in loops and "baseline" in loops:
+            spec, base = describe_loop(loops["speculative"]), describe_loop(loops["baseline"])
+            line += f"; both loops: {spec}" if spec == base else f"; B: {spec}; B=1: {base}"
+        lines.append(line)
     return "\n".join(lines)

@@ -15,6 +15,11 @@ The loop, with the target's KV cache and the drafter's cache of projected contex
         emit accepted drafts + the target's next token (the new bonus)
         crop the target cache to the verified tokens; append their taps to the drafter cache
 
+A hybrid target's linear-attention layers hold recurrent states that cannot be cropped: after
+a rejection they are put back as they were before the block and the verified tokens are fed
+again (`flashdraft.model.hybrid.LinearStateRollback`), which costs one short target forward
+per step with a rejection.
+
 `acceptance_lengths` holds, per verify step, the number of tokens that step emitted
 (accepted drafts + 1), so tau = mean(acceptance_lengths) and
 sum(acceptance_lengths) + 1 == len(output_ids) (the first token comes from the prefill). A step
@@ -40,6 +45,7 @@ from torch import Tensor, nn
 from flashdraft.benchutil import sync
 from flashdraft.model.drafter import DFlashDrafter, DraftCache
 from flashdraft.model.head import TargetHead
+from flashdraft.model.hybrid import LinearStateRollback, decode_cache, is_hybrid
 from flashdraft.model.target import LayerTaps
 
 
@@ -210,8 +216,6 @@ def decode(
     sampler: Sampler | None = None,
 ) -> DecodeResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` (SPEC section 5)."""
-    from transformers import DynamicCache
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompt_ids:
@@ -222,8 +226,9 @@ def decode(
     cache_arg = cache_argument(target)
     # A plain (non-sliding) cache layer per target layer, even for sliding-window targets:
     # those layers still mask by position, and only a full layer can be cropped after a
-    # rejection once the window has been passed.
-    cache = DynamicCache()
+    # rejection once the window has been passed. Hybrids: state layers for the linear ones.
+    cache = decode_cache(target)
+    rollback = LinearStateRollback(cache) if is_hybrid(target.config) else None
     draft_cache = DraftCache()
     block = decoder.block_size
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
@@ -249,6 +254,7 @@ def decode(
         start = prompt_len + len(output) - 1  # position of the bonus, the block's anchor
         assert cache.get_seq_length() == start, (cache.get_seq_length(), start)
         block_ids, drafts, draft_logits = _propose(decoder, draft_cache, bonus, start, sampler)
+        saved = rollback.save() if rollback is not None and decoder.speculative else None
         logits = target(input_ids=block_ids[None], use_cache=True, **{cache_arg: cache}).logits
         accepted_t, bonus = sampler.verify(drafts, draft_logits, logits[0])
         # The step's one host sync: how many drafts survived, and their values.
@@ -264,8 +270,15 @@ def decode(
         # Keep the K/V of the verified tokens (bonus + accepted drafts); the new bonus is
         # fed at the next step. Cropping by a negative count works on every 5.x cache.
         rejected = block - (accepted + 1)
-        if rejected:
+        if rejected and rollback is None:
             cache.crop(-rejected)
+        elif rejected:
+            # Hybrid: back to before the block, then the verified tokens again (their taps
+            # replace the block's, for the drafter below).
+            assert rollback is not None and saved is not None
+            rollback.rewind(saved, block)
+            verified = block_ids[None, : accepted + 1]
+            target(input_ids=verified, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         if decoder.speculative:
             assert drafter is not None and taps is not None
             features = taps.features()[:, : accepted + 1]

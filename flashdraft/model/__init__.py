@@ -3,7 +3,8 @@
 Owns the drafter's geometry (`config`), the one DFlash `mask_mod` and its two attention
 backends (`attention`), the draft model with its decode cache (`drafter`), the target's
 frozen embedding and LM head (`head`), and the target itself: loading, layer taps and the
-packed forward (`target`). Distribution, compilation and optimisation are applied from
+packed forward (`target`), exact packing of hybrid linear-attention targets (`hybrid`), and a
+static-KV-cache forward over a dense target's own submodules for fast decoding (`static`). Distribution, compilation and optimisation are applied from
 outside (`flashdraft.train.parallel`). May import only the base layer (`config`, `storage`,
 `log`).
 """

@@ -6,12 +6,15 @@ Shape legend:
   Q  query tokens per row = A * B            S  keys per row = T + Q  (context first, then blocks)
   Hq query heads   Hkv key/value heads   D head dim
 
-A query in block j (anchor a_j) may see
-  * context key c  iff  c < a_j, doc[c] == doc[a_j], anchor j is valid, and for sliding
-    layers c >= a_j - W (the last W context positions);
-  * block key k    iff  k lies in block j (all of it for full layers; slots <= its own slot
-    for sliding layers, which are causal inside the block as both serving engines run them).
-Every query sees at least its own block's first slot, so no row of the mask is empty.
+A query in slot s of block j (anchor a_j, so at position p = a_j + s) may see
+  * context key c  iff  c < a_j, doc[c] == doc[a_j] and anchor j is valid;
+  * block key k    iff  k lies in block j;
+  * and, in sliding layers, only keys in its window: k <= p and p - k < W (`in_window`).
+The window is per query, W keys including the query itself, and moves with the slot, as
+z-lab's `dflash` (`q - k < W`), vLLM (window (W - 1, 0)) and SGLang (`window_left = W - 1`)
+compute it: slot s sees context a_j + s - W + 1 .. a_j - 1 and block slots s - W + 1 .. s.
+(The same document is required, so packed-index differences equal position differences.)
+Every query sees at least itself, so no row of the mask is empty.
 
 CUDA uses compiled flex_attention with a sparse BlockMask built from the `mask_mod`; the CPU
 has no flex backward, so it materialises the very same `mask_mod` with `create_mask` and runs
@@ -74,13 +77,18 @@ class BlockLayout:
         return int(self.anchors.shape[1]) * self.block_size
 
 
+def in_window(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """The sliding-window rule of every engine: position p sees k iff k <= p and p - k < W."""
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+
+
 def dflash_mask_mod(layout: BlockLayout, sliding_window: int | None = None) -> MaskMod:
     """The SPEC section 4 visibility rule as a flex_attention `mask_mod`."""
     anchors, valid, docs = layout.anchors, layout.anchor_valid, layout.doc_ids
     block, ctx_len = layout.block_size, layout.context_len
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        j = q_idx // block
+        j, slot = q_idx // block, q_idx % block
         anchor = anchors[b, j]
         is_ctx = kv_idx < ctx_len
         c = torch.clamp(kv_idx, max=ctx_len - 1)  # keep the gather in range for block keys
@@ -88,8 +96,9 @@ def dflash_mask_mod(layout: BlockLayout, sliding_window: int | None = None) -> M
         k = kv_idx - ctx_len
         sees_block = ~is_ctx & (k // block == j)
         if sliding_window is not None:
-            sees_ctx = sees_ctx & (c >= anchor - sliding_window)
-            sees_block = sees_block & (k % block <= q_idx % block)
+            # Packed indices: the query sits at anchor + slot, block key k at anchor + k % B.
+            sees_ctx = sees_ctx & in_window(anchor + slot, c, sliding_window)
+            sees_block = sees_block & in_window(slot, k % block, sliding_window)
         return sees_ctx | sees_block
 
     return mask_mod
@@ -123,19 +132,20 @@ def decode_mask(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    context_start: int = 0,
 ) -> Tensor | None:
-    """Mask of one block (anchor at position `context_len`) over [context ; block] keys.
+    """[1, 1, B, C + B] mask of one block (anchor at position `context_len`) over its keys:
+    the context positions `context_start .. context_len - 1` (a decode cache may hold only
+    the last ones), then the block's B positions.
 
     The same rule as `dflash_mask_mod` for a single anchor whose context is everything
     before it: None (all visible) for full layers.
     """
     if sliding_window is None:
         return None
-    slot = torch.arange(block_size, device=device)[:, None]
-    ctx = torch.arange(context_len, device=device)[None, :]
-    sees_ctx = (ctx >= context_len - sliding_window).expand(block_size, -1)
-    sees_block = torch.arange(block_size, device=device)[None, :] <= slot
-    return torch.cat([sees_ctx, sees_block], dim=1)[None, None]
+    q_pos = torch.arange(context_len, context_len + block_size, device=device)[:, None]
+    k_pos = torch.arange(context_start, context_len + block_size, device=device)[None, :]
+    return in_window(q_pos, k_pos, sliding_window)[None, None]
 
 
 def document_causal_mask_mod(doc_ids: Tensor) -> MaskMod:

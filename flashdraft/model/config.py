@@ -4,6 +4,7 @@ the mask token: plain data with validation; no torch modules are built in this f
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +32,29 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+# RoPE settings of a target that describe its own attention, not the drafter's: Qwen3.5's
+# partial rotary factor (0.25: a quarter of each head rotated) and multimodal sections. The
+# drafter rotates whole heads (model/drafter.py); an export carrying these keys would make vLLM
+# rotate only part of each head.
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def drafter_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The target's RoPE settings as the drafter uses them (`rope_parameters_of` without
+    `TARGET_ONLY_ROPE_KEYS`)."""
+    params = rope_parameters_of(hf_config)
+    return {k: v for k, v in params.items() if k not in TARGET_ONLY_ROPE_KEYS}
+
+
 def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
     """RoPE settings of an HF config as a transformers-5 `rope_parameters` dict.
 
     transformers 5 keeps them in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`.
+    Targets with one RoPE per layer type (Gemma 3) give the full-attention layers' one.
     """
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:
         out = dict(params)
     else:
@@ -51,9 +69,45 @@ def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
     return out
 
 
+def logit_scaling_of(text_config: Any) -> tuple[float, float | None]:
+    """(multiplier, softcap) the target applies to `h @ W^T` to get its logits: Cohere's
+    `logit_scale`, Granite's 1 / `logits_scaling`, Gemma 2/3's `final_logit_softcapping`."""
+    multiplier = float(getattr(text_config, "logit_scale", None) or 1.0)
+    granite = getattr(text_config, "logits_scaling", None)
+    if granite:
+        multiplier /= float(granite)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return multiplier, float(softcap) if softcap else None
+
+
+# transformers 5 model types whose input embedding module scales its rows (a
+# `*ScaledWordEmbedding` with `embed_scale = sqrt(hidden_size)`); MiniCPM3 scales by the
+# config's `scale_emb`. `TargetHead.check_drafter` compares with the live module.
+_SQRT_HIDDEN_EMBEDDING = frozenset(
+    {"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4"}
+    | {"gemma4_text", "vaultgemma"}
+)
+
+
+def embedding_scale_of(text_config: Any) -> float:
+    """What the target's input embedding module multiplies its rows by (1.0 for most)."""
+    model_type = str(getattr(text_config, "model_type", ""))
+    if model_type in _SQRT_HIDDEN_EMBEDDING:
+        return float(text_config.hidden_size) ** 0.5
+    if model_type == "minicpm3":
+        return float(text_config.scale_emb)
+    return 1.0
+
+
 @dataclass(kw_only=True, slots=True)
 class DrafterConfig:
-    """Geometry of a DFlash drafter (SPEC section 2). H (hidden) always equals the target's."""
+    """Geometry of a DFlash drafter (SPEC section 2). H (hidden) always equals the target's.
+
+    `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` record how the
+    target's embedding and head scale (block embeddings are raw table rows times the scale;
+    logits are `softcap(multiplier * h @ W^T)`), under z-lab's `dflash_config` names, so that
+    an export tells the engines what training used.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -74,6 +128,9 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     initializer_range: float = 0.02
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -101,6 +158,14 @@ class DrafterConfig:
                 f"{self.num_target_layers} layers (z-lab convention: id i = output of layer i, "
                 f"0-based, so ids run 0..{self.num_target_layers - 1})"
             )
+        last = self.num_target_layers - 1
+        if last in self.target_layer_ids:
+            raise ValueError(
+                f"target_layer_ids tap layer {last}, the target's last layer: z-lab's dflash, "
+                "vLLM and SGLang read its output after the final norm (HF hidden_states[L]), "
+                "while flashdraft's hooks read it before the norm, so the served drafter would "
+                f"see other features than it was trained on; tap layers 0..{last - 1}"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the target's embedding table "
@@ -114,6 +179,10 @@ class DrafterConfig:
             )
         if "rope_theta" not in self.rope_parameters:
             raise ValueError("rope_parameters needs rope_theta")
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
     @property
     def num_taps(self) -> int:
@@ -154,6 +223,7 @@ class DrafterConfig:
             if target_layer_ids is not None
             else default_target_layer_ids(num_target_layers, num_layers)
         )
+        multiplier, softcap = logit_scaling_of(text)
         sliding = set(sliding_layers or [])
         if sliding and not sliding_window:
             raise ValueError("sliding_layers given without sliding_window")
@@ -167,7 +237,7 @@ class DrafterConfig:
             num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_parameters=rope_parameters_of(text),
+            rope_parameters=drafter_rope_parameters(text),
             max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
             vocab_size=int(text.vocab_size),
             block_size=block_size,
@@ -178,6 +248,9 @@ class DrafterConfig:
                 "sliding_attention" if i in sliding else "full_attention" for i in range(num_layers)
             ],
             sliding_window=sliding_window if sliding else None,
+            input_embedding_scale=embedding_scale_of(text),
+            output_multiplier=multiplier,
+            final_logit_softcapping=softcap,
         )
 
 

@@ -13,7 +13,6 @@ names are exactly the serving format's (`layers.{i}.self_attn.q_proj.weight`, `f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -170,23 +169,90 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@dataclass(slots=True)
 class DraftCache:
-    """Projected context K/V per layer for decoding ([1, Hkv, C, D] each) and their length.
+    """Projected context K/V per layer for decoding, in preallocated buffers.
 
-    Only verified tokens enter the context, so the cache only grows; block K/V are never kept.
+    Layer i attends to the K/V of its last `held` context positions, [1, Hkv, held, D]
+    (`layer(i)`): every position for a full-attention layer; at most W - 1 for a sliding
+    layer of window W, since slot 0 of a block anchored at a sees context a - W + 1 .. a - 1
+    and later slots see less. Only verified tokens enter (`append`); block K/V are never kept.
+    A buffer that fills up is reallocated with the rows its layer still needs plus room to
+    grow (doubling for full layers, W more rows for sliding ones): amortised O(1) copying per
+    token, and a sliding layer's memory stays O(W) however long the decode runs.
     """
 
-    keys: list[Tensor] = field(default_factory=list)
-    values: list[Tensor] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.length = 0  # context positions appended so far: the next anchor's position
+        self._keys: list[Tensor] = []  # [1, Hkv, capacity, D] per layer
+        self._values: list[Tensor] = []
+        self._fill: list[int] = []  # rows in use (the front of the buffer), oldest first
+        self._keep: list[int | None] = []  # rows a layer needs at most (None: all)
+
+    def _held(self, i: int) -> int:
+        keep = self._keep[i]
+        return self._fill[i] if keep is None else min(self._fill[i], keep)
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """K, V [1, Hkv, held, D] of layer i: its last `held` context positions."""
+        fill, held = self._fill[i], self._held(i)
+        return self._keys[i][:, :, fill - held : fill], self._values[i][:, :, fill - held : fill]
 
     @property
-    def length(self) -> int:
-        return int(self.keys[0].shape[2]) if self.keys else 0
+    def capacity(self) -> list[int]:
+        """Rows allocated per layer (held rows plus room to grow)."""
+        return [int(k.shape[2]) for k in self._keys]
+
+    @property
+    def keys(self) -> list[Tensor]:
+        return [self.layer(i)[0] for i in range(len(self._keys))]
+
+    @property
+    def values(self) -> list[Tensor]:
+        return [self.layer(i)[1] for i in range(len(self._values))]
+
+    def append(self, kv: list[tuple[Tensor, Tensor]], keep: list[int | None]) -> None:
+        """Add N new positions: kv holds each layer's K, V [1, Hkv, N, D]; keep is each
+        layer's need (None: all positions; W - 1 for a sliding layer)."""
+        if not self._keys:
+            self._keys = [k.new_empty((*k.shape[:2], 0, k.shape[3])) for k, _ in kv]
+            self._values = [v.new_empty((*v.shape[:2], 0, v.shape[3])) for _, v in kv]
+            self._fill, self._keep = [0] * len(kv), list(keep)
+        for i, (k, v) in enumerate(kv):
+            n = k.shape[2]
+            if self._fill[i] + n > self._keys[i].shape[2]:
+                self._reallocate(i, n)
+            fill = self._fill[i]
+            self._keys[i][:, :, fill : fill + n] = k
+            self._values[i][:, :, fill : fill + n] = v
+            self._fill[i] = fill + n
+        self.length += kv[0][0].shape[2]
+
+    def _reallocate(self, i: int, incoming: int) -> None:
+        """A buffer for layer i with room for `incoming` more rows, keeping what it needs."""
+        keep, fill = self._keep[i], self._fill[i]
+        retain = self._held(i)
+        slack = retain + incoming if keep is None else keep
+        capacity = retain + incoming + max(slack, 64)
+        for buffers in (self._keys, self._values):
+            old = buffers[i]
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
+            new[:, :, :retain] = old[:, :, fill - retain : fill]
+            buffers[i] = new
+        self._fill[i] = retain
 
     def crop(self, length: int) -> None:
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+        """Forget the positions from `length` on (after an `append` that is to be undone)."""
+        drop = self.length - length
+        if drop < 0:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
+        for i, keep in enumerate(self._keep):
+            need = length if keep is None else min(keep, length)
+            if self._fill[i] - drop < need:
+                raise ValueError(
+                    f"cannot crop to {length}: layer {i} no longer holds the window it needs"
+                )
+            self._fill[i] -= drop
+        self.length = length
 
 
 class DFlashDrafter(nn.Module):
@@ -253,44 +319,50 @@ class DFlashDrafter(nn.Module):
 
     # ---- decoding: a cache of projected context K/V, one block at a time ----
 
+    def cache_keep(self) -> list[int | None]:
+        """Context rows each layer's decode cache needs: all (None) for full layers, W - 1
+        for sliding ones (the most a block's slot 0 sees)."""
+        window = self.config.sliding_window
+        return [
+            window - 1 if kind == "sliding_attention" and window is not None else None
+            for kind in self.config.layer_types
+        ]
+
     @torch.no_grad()
     def extend_cache(self, cache: DraftCache, target_hidden: Tensor, positions: Tensor) -> None:
         """Append newly verified tokens: target_hidden [1, N, K*H] at positions [1, N]."""
         ctx = self.fuse_context(target_hidden)
         cos, sin = self.rotary(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
+        kv = []
+        for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            if i < len(cache.keys):
-                cache.keys[i] = torch.cat([cache.keys[i], k], dim=2)
-                cache.values[i] = torch.cat([cache.values[i], v], dim=2)
-            else:
-                cache.keys.append(k)
-                cache.values.append(v)
+            kv.append(layer.self_attn.project_kv(ctx, cos, sin))
+        cache.append(kv, self.cache_keep())
 
     @torch.no_grad()
     def draft_block(self, cache: DraftCache, block_embeds: Tensor, start: int) -> Tensor:
         """One block [1, B, H] whose anchor sits at position `start` == cache length.
 
         Returns final-normed hidden states [1, B, H]; the same values the training path
-        gives for that block (tests/test_drafter.py checks it).
+        gives for that block (tests/model/test_drafter.py checks it).
         """
-        b = block_embeds.shape[1]
+        b, device = block_embeds.shape[1], block_embeds.device
         assert cache.length == start, (cache.length, start)
-        positions = torch.arange(start, start + b, device=block_embeds.device)[None]
+        positions = torch.arange(start, start + b, device=device)[None]
         rope_q = self.rotary(positions, block_embeds.dtype)
-        masks = {
-            kind: decode_mask(start, b, window, block_embeds.device)
-            for kind, window in (
-                ("full_attention", None),
-                ("sliding_attention", self.config.sliding_window),
-            )
-            if kind in self.config.layer_types
-        }
+        window = self.config.sliding_window
+        masks: dict[int, Tensor | None] = {}  # sliding masks by first cached position
         x = block_embeds
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            x = layer.decode(x, (cache.keys[i], cache.values[i]), rope_q, masks[layer.layer_type])
+            kv = cache.layer(i)
+            mask = None
+            if layer.layer_type == "sliding_attention":
+                first = start - kv[0].shape[2]
+                if first not in masks:
+                    masks[first] = decode_mask(start, b, window, device, context_start=first)
+                mask = masks[first]
+            x = layer.decode(x, kv, rope_q, mask)
         return self.norm(x)
 
     def num_flops_per_query_token(self, context_len: int, num_queries: int) -> float:

@@ -7,11 +7,14 @@ it has any). Holding references here keeps them out of the drafter's state dict 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from flashdraft.model.config import DrafterConfig, logit_scaling_of
 
 
 @dataclass(slots=True)
@@ -34,16 +37,41 @@ class TargetHead:
     def from_parts(cls, embedding: nn.Module, weight: Tensor, text_config: Any) -> TargetHead:
         """From the embedding module, the LM-head weight and the target's text config, which
         says how the target scales and caps its logits."""
-        scale = float(getattr(text_config, "logit_scale", None) or 1.0)
-        granite = getattr(text_config, "logits_scaling", None)
-        if granite:
-            scale /= float(granite)
-        softcap = getattr(text_config, "final_logit_softcapping", None)
+        scale, softcap = logit_scaling_of(text_config)
         return cls(embedding=embedding, weight=weight, logit_scale=scale, softcap=softcap)
 
     @property
     def vocab_size(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def input_embedding_scale(self) -> float:
+        """What the embedding module multiplies table rows by (transformers'
+        `*ScaledWordEmbedding.embed_scale`; 1.0 for a plain table)."""
+        return float(getattr(self.embedding, "embed_scale", 1.0))
+
+    def check_drafter(self, config: DrafterConfig) -> None:
+        """Refuse a drafter config whose recorded scaling differs from this head's: its export
+        would tell the engines to embed or score differently from training (ValueError)."""
+        ours = (self.input_embedding_scale, self.logit_scale, self.softcap)
+        theirs = (
+            config.input_embedding_scale,
+            config.output_multiplier,
+            config.final_logit_softcapping,
+        )
+        names = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+        wrong = [
+            f"{name} {b} (the target's head: {a})"
+            for name, a, b in zip(names, ours, theirs, strict=True)
+            if (a is None) != (b is None)
+            or (a is not None and b is not None and not math.isclose(a, b, rel_tol=1e-6))
+        ]
+        if wrong:
+            raise ValueError(
+                "the drafter config records other scaling than the target applies: "
+                + "; ".join(wrong)
+                + " -- rebuild the drafter config from this target"
+            )
 
     def embed(self, token_ids: Tensor) -> Tensor:
         with torch.no_grad():

@@ -8,19 +8,40 @@ i.e. `hidden_states[i + 1]` of an HF forward with `output_hidden_states=True`. T
 captured with forward hooks on the decoder layers, never with `output_hidden_states` (which
 keeps every layer alive), and never from `hidden_states[-1]`, which HF replaces by the
 final-normed state. `Target.verify_taps` checks all of this at start-up.
+
+Hybrid targets (linear-attention layers, `flashdraft.model.hybrid`) need more than the
+document mask to pack exactly: their linear layers restart at every document start, and the
+start-up check also compares a packed two-document row with each document run alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from flashdraft.log import get_logger
 from flashdraft.model.attention import Backend, build_document_mask
 from flashdraft.model.head import TargetHead
+from flashdraft.model.hybrid import (
+    PackedLinearAttention,
+    VarlenKernels,
+    attention_masks,
+    choose_kernels,
+    delta_rule_flops_per_token,
+    is_hybrid,
+    linear_layer_ids,
+)
+
+log = get_logger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Start-up packing check: the largest relative difference (a document's taps, ||packed -
+# alone|| / ||alone||; logits for label ties) that is rounding, per target dtype. Measured on
+# the tiny hybrid (tests): exact paths 1e-6 (fp32) and 6e-3 (bf16); a leak 0.2 to 0.6.
+PACKING_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -112,12 +133,41 @@ class LayerTaps:
         self._handles.clear()
 
 
+def pack_documents(docs: list[Tensor], padding: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Token ids of documents -> one packed row: (ids, positions, document ids), each [1, T],
+    positions restarting at every document, padding (id 0) with document id -1."""
+    ids = torch.cat([*docs, torch.zeros(padding, dtype=torch.long)])
+    positions = torch.cat([torch.arange(len(d)) for d in docs] + [torch.arange(padding)])
+    doc_ids = torch.cat(
+        [torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((padding,), -1)]
+    )
+    return ids[None], positions[None], doc_ids[None]
+
+
+def tap_errors(got: Tensor, ref: Tensor, taps: LayerTaps) -> list[float]:
+    """Per tapped layer, ||got - ref|| / ||ref|| over a document's taps [n, K*H]."""
+    width = ref.shape[-1] // len(taps.layer_ids)
+    errors = []
+    for k in range(len(taps.layer_ids)):
+        a, b = got[:, k * width : (k + 1) * width].float(), ref[:, k * width : (k + 1) * width]
+        errors.append(float((a - b.float()).norm() / b.float().norm().clamp_min(1e-30)))
+    return errors
+
+
 class Target:
     """A frozen target with its taps, its head, and the packed forward the trainer needs."""
 
     def __init__(
-        self, model: Any, layer_ids: list[int], backend: Backend, sharded: bool = False
+        self,
+        model: Any,
+        layer_ids: list[int],
+        backend: Backend,
+        sharded: bool = False,
+        linear_kernels: VarlenKernels | Literal["auto", "per-document"] = "auto",
     ) -> None:
+        """`linear_kernels` (hybrid targets only): how the linear-attention layers keep packed
+        documents apart; "auto" = fla's varlen kernels on CUDA when they import, else each
+        document through the layer alone ("per-document")."""
         self.model = model
         # FSDP2 all-gathers into buffers that inference mode would mark read-only.
         self.no_grad = torch.no_grad if sharded else torch.inference_mode
@@ -127,6 +177,30 @@ class Target:
         self.taps = LayerTaps(model, layer_ids)
         self.backend = backend
         self.num_layers = len(decoder_layers(model))
+        self.linear: PackedLinearAttention | None = None
+        if is_hybrid(self.config):
+            self.pack_linear_layers(linear_kernels)
+
+    def pack_linear_layers(self, choice: VarlenKernels | Literal["auto", "per-document"]) -> None:
+        """(Re)install the exact packed path on a hybrid target's linear-attention layers and
+        say once which one runs (benchmarks compare the two)."""
+        if self.linear is not None:
+            self.linear.remove()
+        why = "chosen"
+        if choice == "auto":
+            kernels, why = choose_kernels(self.device)
+        else:
+            kernels = None if choice == "per-document" else choice
+        linear = PackedLinearAttention(decoder_layers(self.model), self.config, kernels)
+        count = f"{len(linear_layer_ids(self.config))} of {self.num_layers} target layers"
+        if kernels is not None:
+            log.info(f"hybrid target: {count} are linear attention; packed documents restart "
+                     f"there through {kernels.name}'s varlen kernels")  # fmt: skip
+        else:
+            say = log.warning if self.device.type == "cuda" else log.info
+            say(f"hybrid target: {count} are linear attention; packed documents run through "
+                f"them one at a time (per-document fallback, exact but slower: {why})")  # fmt: skip
+        self.linear = linear
 
     @property
     def device(self) -> torch.device:
@@ -166,6 +240,59 @@ class Target:
                         "reference forward: the layer-id convention or the hook is wrong "
                         "(ids must be 0-based decoder-layer outputs, z-lab convention)"
                     )
+        if self.linear is not None:
+            self.verify_packing()
+
+    def verify_packing(self, lengths: tuple[int, ...] = (21, 14), padding: int = 5) -> None:
+        """Start-up check for hybrid targets (SPEC 3): a packed row of documents (+ padding)
+        gives the taps and next-token labels of each document run alone through the model's
+        own forward, within `PACKING_TOLERANCE` of the target dtype; a label may differ only
+        where the document's own logits tie within it. Raises ValueError otherwise."""
+        gen = torch.Generator().manual_seed(1)
+        docs = [torch.randint(0, self.head.vocab_size, (n,), generator=gen) for n in lengths]
+        ids, positions, doc_ids = (t.to(self.device) for t in pack_documents(docs, padding))
+        every = torch.arange(ids.shape[1], device=self.device)[None]
+        features, labels = self.forward_packed(ids, positions, doc_ids, every)
+        assert labels is not None
+        tolerance = PACKING_TOLERANCE.get(self.head.weight.dtype, 1e-2)
+        path = self.linear.path if self.linear is not None else "attention mask only"
+        start = 0
+        for d, doc in enumerate(docs):
+            span = slice(start, start + len(doc))
+            start += len(doc)
+            taps, alone_labels, logits = self._document_alone(doc.to(self.device))
+            for layer, error in zip(
+                self.taps.layer_ids, tap_errors(features[0, span], taps, self.taps), strict=True
+            ):
+                if error > tolerance:
+                    raise ValueError(
+                        f"hybrid target: the tap of layer {layer} in a packed row differs from "
+                        f"document {d} run alone by {error:.2g} (relative; tolerance "
+                        f"{tolerance:g}): packed documents leak into each other through the "
+                        f"linear-attention layers (packed path: {path}); refusing to train on "
+                        "features the target never produces"
+                    )
+            # A label may differ only where the document's own top logits tie within tolerance.
+            got = labels[0, span]
+            tie = tolerance * float(logits.abs().max())
+            picked = logits.gather(1, got[:, None])[:, 0]
+            flips = (got != alone_labels) & (picked < logits.max(dim=-1).values - tie)
+            if bool(flips.any()):
+                raise ValueError(
+                    f"hybrid target: {int(flips.sum())} next-token labels of document {d} in a "
+                    "packed row differ from the document run alone beyond a near-tie (packed "
+                    f"path: {path}); refusing to train on wrong labels"
+                )
+
+    def _document_alone(self, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The model's own forward of one document [n]: (taps [n, K*H], labels [n], fp32
+        logits [n, V]), the labels by the same chunked argmax as `forward_packed`."""
+        with self.no_grad():
+            last = self.base(input_ids=doc[None], use_cache=False).last_hidden_state
+            positions = torch.arange(len(doc), device=doc.device)[None]
+            labels = self.head.argmax_at(last, positions, len(doc))[0]
+            logits = self.head.logits(last[0])
+        return self.taps.features()[0], labels, logits
 
     def forward_packed(
         self,
@@ -182,8 +309,12 @@ class Target:
         Per-document positions and a per-document causal mask make each document's taps
         identical to running it alone.
         """
-        mask = build_document_mask(doc_ids, self.backend)
-        with self.no_grad():
+        mask: Any = build_document_mask(doc_ids, self.backend)
+        packing: AbstractContextManager[None] = nullcontext()
+        if self.linear is not None:  # hybrid: the linear layers restart at document starts
+            mask = attention_masks(self.config, mask)
+            packing = self.linear.packed(doc_ids)
+        with self.no_grad(), packing:
             out = self.base(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -203,12 +334,15 @@ class Target:
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token of the decoder stack (the LM head runs only at label
         positions and is counted there): (1) 2 x parameters of the stack without the
-        embedding; (2) attention scores and weighted sum, 4 x layers x q_dim x keys seen
-        (~half the context, causal)."""
+        embedding; (2) attention scores and weighted sum in the full/sliding attention layers
+        only (linear-attention layers have none), 4 x q_dim x keys seen (~half the context,
+        causal) per layer; (3) the gated delta rule of the linear-attention layers, which no
+        parameter count covers (`hybrid.delta_rule_flops_per_token`)."""
         config = self.config
         params = sum(p.numel() for p in self.base.parameters())
         params -= sum(p.numel() for p in self.head.embedding.parameters())
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        attention = 4 * config.num_hidden_layers * heads * head_dim * context_len / 2
-        return 2 * params + attention
+        attention_layers = config.num_hidden_layers - len(linear_layer_ids(config))
+        attention = 4 * attention_layers * heads * head_dim * context_len / 2
+        return 2 * params + attention + delta_rule_flops_per_token(config)

@@ -11,6 +11,7 @@ pre-flight estimate. Nothing is written to the run directory but its resolved co
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,7 +135,14 @@ def time_trainer(
     `step_flops`."""
     config, device = trainer.config, trainer.device
     target_flops, drafter_flops = step_flops(trainer)
-    rows = trainer.stream.iterate(iter(range(10**9)), config.data.prefetch)
+    total = trainer.plan.total_rows
+    if total < 4:
+        raise ValueError(
+            f"bench needs at least 4 packed rows; {', '.join(config.data.datasets)} make {total} "
+            f"of {config.data.row_tokens} tokens: add data or lower data.row_tokens"
+        )
+    # As many rows as timing asks for: the stream cycles over the run's rows.
+    rows = trainer.stream.iterate((p % total for p in itertools.count()), config.data.prefetch)
     sample_rows = [next(rows) for _ in range(4)]
     real_tokens = float(np.mean([r.tokens for r in sample_rows]))
     results: list[dict[str, Any]] = []
@@ -155,8 +163,10 @@ def time_trainer(
     results[-1]["recompiles_while_timed"] = unique_graphs() - graphs
     if without_overlap:
         # Rows the prefetching run has not touched, so both see fresh rows.
-        start = min(100, trainer.stream.total_rows() // 2)
-        inline = trainer.stream.iterate(iter(range(start, 10**9)), prefetch=0)
+        start = min(100, total // 2)
+        inline = trainer.stream.iterate(
+            ((start + p) % total for p in itertools.count()), prefetch=0
+        )
 
         def full_inline() -> None:
             trainer.train_step([next(inline)], Interval())

@@ -3,12 +3,20 @@
 Every field is declared once, with its type and allowed range (`flashdraft.config.option`);
 a bad value is one line naming the key, the value and what is allowed. Fields tagged
 `resume_safe` may change when a run is resumed (where logs go, how often to evaluate,
-checkpoint and log, how far to train); any other change alters what is trained or the order
-of the data, and `--resume` refuses it unless asked to allow it (`--allow-config-change`).
+checkpoint and log, how far to train, how the work is laid out over devices); any other
+change alters what is trained or the order of the data, and `--resume` refuses it unless
+asked to allow it (`--allow-config-change`): `resume_changes`. The global batch (rows per
+step, drafter replicas x `optim.grad_accum`) must stay the same, so a run may resume on
+another world size with grad_accum adjusted.
+
+The resolved config is written to `RUN/run_config.json` (`RUN_CONFIG`), a name no serving
+engine reads; runs of earlier versions wrote it to `RUN/config.json` (`LEGACY_RUN_CONFIG`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -16,6 +24,8 @@ from flashdraft import config as cfg
 from flashdraft.config import option
 
 SAFE = ("resume_safe",)
+RUN_CONFIG = "run_config.json"
+LEGACY_RUN_CONFIG = "config.json"  # before issue 15: also the name engines read
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,7 +35,15 @@ class TargetSection:
         "auto", help="auto: bfloat16 on CUDA, float32 on CPU"
     )
     attn_implementation: str | None = option(
-        None, help="None: flex_attention on CUDA (packed rows at flash speed), sdpa on CPU"
+        None,
+        help="None: flex_attention on CUDA (packed rows at flash speed), sdpa on CPU",
+        tags=SAFE,
+    )
+    compile: bool = option(
+        True,
+        help="CUDA: compile the target's packed forward (one graph per row shape; ~30-60 s "
+        "once, cold); hybrid and sharded targets always run eagerly",
+        tags=SAFE,
     )
 
     def __post_init__(self) -> None:
@@ -86,7 +104,7 @@ class LossSection:
         "target",
         help="target: the target's argmax (distillation); data: the data tokens",
     )
-    chunk_rows: int = option(2048, ge=1, help="rows per LM-head chunk")
+    chunk_rows: int = option(2048, ge=1, help="rows per LM-head chunk", tags=SAFE)
 
     def __post_init__(self) -> None:
         cfg.validate(self)
@@ -167,10 +185,11 @@ class ParallelSection:
     placement: Literal["colocated", "split"] = option(
         "colocated",
         help="colocated: target + drafter on every rank; split: target ranks feed drafter ranks",
+        tags=SAFE,
     )
-    target_ranks: int = option(0, ge=0, help="split: how many ranks run only the target")
-    drafter_sharding: Literal["ddp", "fsdp"] = option("ddp", help="ddp | fsdp (FSDP2)")
-    shard_target: bool = option(False, help="colocated: shard the target with FSDP2")
+    target_ranks: int = option(0, ge=0, help="split: how many ranks run only the target", tags=SAFE)
+    drafter_sharding: Literal["ddp", "fsdp"] = option("ddp", help="ddp | fsdp (FSDP2)", tags=SAFE)
+    shard_target: bool = option(False, help="colocated: shard the target with FSDP2", tags=SAFE)
     overlap: bool = option(True, help="build the next rows ahead of the current step", tags=SAFE)
     queue_depth: int = option(
         2, ge=1, help="split: batches in flight between target and drafter ranks", tags=SAFE
@@ -182,12 +201,12 @@ class ParallelSection:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    output: str = option(help="run directory (any fsspec URL)")
+    output: str = option(help="run directory (any fsspec URL)", tags=SAFE)
     target: TargetSection
     data: DataSection
     seed: int = option(0, help="seeds the initial drafter, the data order and the anchors")
-    device: Literal["auto", "cpu", "cuda"] = option("auto", help="auto | cpu | cuda")
-    compile: bool = option(True, help="compile the drafter layers (CUDA only)")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", help="auto | cpu | cuda", tags=SAFE)
+    compile: bool = option(True, help="compile the drafter layers (CUDA only)", tags=SAFE)
     preflight: bool = option(
         True, help="refuse runs whose memory estimate exceeds the free GPU memory", tags=SAFE
     )
@@ -210,3 +229,72 @@ def load_run_config(path: str | None, overrides: list[str] | None = None) -> Run
     """A RunConfig from a TOML (or JSON) file plus dotted overrides."""
     config: RunConfig = cfg.build(RunConfig, cfg.load_file(path, overrides))
     return config
+
+
+# ---- resuming: what may change ----------------------------------------------------------
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict as {dotted.key: leaf value} (lists are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def resume_safe_keys(cls: type = RunConfig, prefix: str = "") -> set[str]:
+    """Dotted keys of the run config fields tagged `resume_safe` (by path: the two `every`
+    fields are told apart)."""
+    hints = typing.get_type_hints(cls)
+    keys: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys |= resume_safe_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif "resume_safe" in f.metadata.get("tags", ()):
+            keys.add(prefix + f.name)
+    return keys
+
+
+def resume_changes(
+    previous: dict[str, Any],
+    config: RunConfig,
+    *,
+    rows_per_step: tuple[int | None, int],
+    allow: bool,
+) -> tuple[dict[str, list[Any]], list[str]]:
+    """What differs between a run's recorded config and the config it is resumed with:
+    ({dotted key: [before, now]}, the keys among them that only `allow` lets through).
+    Changes of `resume_safe` keys are allowed; a change of `optim.grad_accum` is allowed when
+    the global batch, `rows_per_step` (before, now; before is None when not recorded), stays
+    the same; any other change is refused with a ValueError listing them all, unless `allow`
+    (`--allow-config-change`)."""
+    try:  # normalised as a config (ints given for floats, defaults of keys added since)
+        before = flatten(cfg.to_dict(cfg.build(RunConfig, previous)))
+    except ValueError:  # written by a version with other keys: compare as recorded
+        before = flatten(previous)
+    now = flatten(config.to_dict())
+    missing = object()
+    changes = {
+        key: [before.get(key), now.get(key)]
+        for key in sorted(set(before) | set(now))
+        if before.get(key, missing) != now.get(key, missing)
+    }
+    safe = resume_safe_keys()
+    old_rows, new_rows = rows_per_step
+    if old_rows is not None and old_rows != new_rows:
+        changes["rows per step (drafter replicas x optim.grad_accum)"] = [old_rows, new_rows]
+    elif "optim.grad_accum" in changes:
+        safe.add("optim.grad_accum")  # another world size, the same global batch
+    refused = [key for key in changes if key not in safe]
+    if refused and not allow:
+        listed = ", ".join(f"{k} {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused)
+        raise ValueError(
+            f"--resume: {config.output} was trained with other settings that change what is "
+            f"trained or the order of the data: {listed}. Resume with the run's own settings "
+            f"({RUN_CONFIG} in the run), choose a new output, or pass --allow-config-change "
+            "to continue with the new ones anyway"
+        )
+    return changes, refused

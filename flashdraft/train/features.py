@@ -20,14 +20,23 @@ import torch
 from torch import Tensor, nn
 
 from flashdraft.data.inference import resolve_dtype
+from flashdraft.log import get_logger
 from flashdraft.model.attention import Backend
 from flashdraft.model.head import TargetHead
 from flashdraft.model.target import DTYPES, Target, decoder_layers, load_target
 from flashdraft.train.blocks import data_next_tokens
 from flashdraft.train.config import LossSection
 from flashdraft.train.packing import Row
-from flashdraft.train.parallel import FeatureReceiver, receive_head, shard_target
+from flashdraft.train.parallel import (
+    FeatureReceiver,
+    compile_target,
+    receive_head,
+    shard_target,
+    target_compile_refusal,
+)
 from flashdraft.train.plan import RunPlan
+
+log = get_logger(__name__)
 
 # A row's input ids, positions, document ids ([1, T] each) and anchors ([1, A]) on the device.
 RowOnDevice = tuple[Tensor, Tensor, Tensor, Tensor]
@@ -81,8 +90,9 @@ def target_outputs(
 
 def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -> Target:
     """The run's target on this rank with its taps checked; its decoder layers sharded over
-    every rank when `parallel.shard_target` (FSDP2). `target_model` may be passed in already
-    built (benchmarks, tests)."""
+    every rank when `parallel.shard_target` (FSDP2); its packed forward compiled on CUDA
+    unless `target.compile = false` (`compile_target`). `target_model` may be passed in
+    already built (benchmarks, tests)."""
     config, device = plan.config, plan.info.device
     sharded = config.parallel.shard_target and plan.info.distributed
     if target_model is None:
@@ -96,6 +106,12 @@ def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -
             target_model.to(device)
     target = Target(target_model, plan.drafter_config.target_layer_ids, backend, sharded=sharded)
     target.verify_taps()
+    if config.target.compile and device.type == "cuda":
+        refusal = target_compile_refusal(target)
+        if refusal is None:
+            compile_target(target)
+        else:
+            log.info(f"flashdraft train: the target's forward runs eagerly: {refusal}")
     return target
 
 
@@ -140,10 +156,10 @@ def head_payload(head: TargetHead) -> list[Tensor]:
 class _ScaledEmbedding(nn.Module):
     def __init__(self, inner: nn.Embedding, scale: float) -> None:
         super().__init__()
-        self.inner, self.scale = inner, scale
+        self.inner, self.embed_scale = inner, scale
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.inner(ids) * self.scale
+        return self.inner(ids) * self.embed_scale
 
 
 def head_from_payload(payload: list[Tensor], text_config: Any) -> TargetHead:

@@ -14,7 +14,7 @@ import tempfile
 from typing import Any
 
 from flashdraft import storage
-from flashdraft.log import get_logger
+from flashdraft.log import get_logger, trace
 
 log = get_logger(__name__)
 
@@ -32,6 +32,7 @@ class MetricsLogger:
         config: dict[str, Any],
     ) -> None:
         self.url = storage.join(run, METRICS)
+        trace("write", what="metrics", url=self.url)
         self.local = storage.is_local(run)
         self.lines: list[str] = []
         if resume_step is not None and storage.exists(self.url):

@@ -3,13 +3,16 @@ drafter's geometry, and the one builder of the initial drafter.
 
 `plan_run` decides, identically on every rank, the placement (which rank runs what), the
 drafter config (from the target's config), the packed-row stream, the number of steps and
-the resume point. `initial_drafter` is the drafter a run starts from (seeded init or a warm
-start from a serving export); the demo builds its "untrained" baseline with it too, so the
-baseline is by construction the trainer's step-0 drafter.
+the resume point: the newest checkpoint that verifies, resumed only with settings the run
+may change to (`train.config.resume_changes`; every change is recorded in the run).
+`initial_drafter` is the drafter a run starts from (seeded init or a warm start from a
+serving export); the demo builds its "untrained" baseline with it too, so the baseline is
+by construction the trainer's step-0 drafter.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +22,17 @@ import torch
 from flashdraft import storage
 from flashdraft.data.dataset import open_datasets
 from flashdraft.export import load_dflash
-from flashdraft.model.config import DrafterConfig, choose_mask_token_id
+from flashdraft.log import get_logger
+from flashdraft.model.config import DrafterConfig, choose_mask_token_id, text_config
 from flashdraft.model.drafter import DFlashDrafter, init_seeded
-from flashdraft.train.checkpoint import latest_checkpoint
-from flashdraft.train.config import RunConfig
+from flashdraft.train.checkpoint import latest_checkpoint, set_aside, usable_checkpoint
+from flashdraft.train.config import LEGACY_RUN_CONFIG, RUN_CONFIG, RunConfig, resume_changes
 from flashdraft.train.packing import RowStream
 from flashdraft.train.parallel import DistInfo, Placement, assign_placement, barrier
+
+log = get_logger(__name__)
+
+CONFIG_CHANGES = "run_config_changes.jsonl"  # one line per resume that changed the config
 
 
 def load_target_config(path: str) -> Any:
@@ -123,25 +131,110 @@ def _row_stream(config: RunConfig, dataset: Any, block_size: int, target_config:
         epochs=config.optim.epochs,
         overlong=config.data.overlong,
         shuffle=config.data.shuffle,
-        pad_id=int(getattr(target_config, "pad_token_id", None) or 0),
+        pad_id=int(getattr(text_config(target_config), "pad_token_id", None) or 0),
     )
 
 
-def plan_run(
-    config: RunConfig, info: DistInfo, resume: bool, target_config: Any = None, dataset: Any = None
-) -> RunPlan:
-    """The plan of a run on this rank; writes the resolved config into the run directory.
-    `target_config` and `dataset` may be passed in already built (benchmarks, tests)."""
-    placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
+def previous_run_config(run: str) -> dict[str, Any] | None:
+    """The resolved config a run recorded: `run_config.json`, or the `config.json` of runs
+    written before it had its own name (a run config: it has a `target` table)."""
+    for name in (RUN_CONFIG, LEGACY_RUN_CONFIG):
+        url = storage.join(run, name)
+        if storage.exists(url):
+            data = storage.read_json(url)
+            if isinstance(data, dict) and (
+                name == RUN_CONFIG or isinstance(data.get("target"), dict)
+            ):
+                return data
+    return None
+
+
+def _resume_point(config: RunConfig, resume: bool) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the checkpoint to resume from, the newer ones skipped with why). Refuses to start
+    over a run that has checkpoints without --resume, and a --resume with none usable."""
     existing = latest_checkpoint(config.output)
-    if existing is not None and not resume:
+    if existing is None:
+        return None, []
+    if not resume:
         raise FileExistsError(
             f"{config.output} already holds checkpoints (latest {existing}); pass --resume "
             "to continue that run or choose a new output"
         )
+    found, skipped = usable_checkpoint(config.output)
+    if found is None:
+        why = "; ".join(f"{url}: {problem}" for url, problem in skipped)
+        raise ValueError(
+            f"--resume: no checkpoint of {config.output} is usable ({why}); move them away to "
+            "start over in this output, or choose a new output"
+        )
+    return found, skipped
+
+
+def _check_config_change(
+    config: RunConfig, state: dict[str, Any], rows_per_step: int, allow: bool
+) -> dict[str, Any] | None:
+    """The record of what the resumed run changes in the run's config (None: nothing);
+    refuses what must not change (`resume_changes`)."""
+    previous = previous_run_config(config.output)
+    if previous is None:
+        log.warning(
+            f"{config.output} has no recorded run config ({RUN_CONFIG}): resuming without "
+            "checking that the settings are the run's"
+        )
+        return None
+    old_rows = state.get("rows_per_step")
+    if old_rows is None and "dp_world" in state:  # checkpoints of earlier versions
+        old_rows = int(state["dp_world"]) * int(previous.get("optim", {}).get("grad_accum", 1))
+    changes, forced = resume_changes(
+        previous, config, rows_per_step=(old_rows, rows_per_step), allow=allow
+    )
+    if not changes:
+        return None
+    listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+    if forced:
+        log.warning(f"--allow-config-change: resuming with changed settings: {listed}")
+    else:
+        log.info(f"resuming with changed settings (safe to change): {listed}")
+    return {"step": int(state["step"]), "changes": changes, "forced": forced}
+
+
+def _record_run(
+    config: RunConfig, skipped: list[tuple[str, str]], change: dict[str, Any] | None
+) -> None:
+    """On the main rank: set aside skipped checkpoints, write the resolved config, append
+    the config change of this resume to the run's history."""
+    storage.makedirs(config.output)
+    for url, _ in skipped:
+        log.warning(f"set aside unusable checkpoint {url} as {set_aside(url)}")
+    storage.write_json_atomic(storage.join(config.output, RUN_CONFIG), config.to_dict())
+    if change is not None:
+        url = storage.join(config.output, CONFIG_CHANGES)
+        before = storage.read_text(url) if storage.exists(url) else ""
+        storage.write_text_atomic(url, before + json.dumps(change) + "\n")
+
+
+def plan_run(
+    config: RunConfig,
+    info: DistInfo,
+    resume: bool,
+    target_config: Any = None,
+    dataset: Any = None,
+    *,
+    allow_config_change: bool = False,
+) -> RunPlan:
+    """The plan of a run on this rank; writes the resolved config into the run directory.
+    `target_config` and `dataset` may be passed in already built (benchmarks, tests)."""
+    placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
+    rows_per_step = placement.dp_world * config.optim.grad_accum
+    resume_from, skipped = _resume_point(config, resume)
+    state: dict[str, Any] = {"step": 0, "cursor": 0}
+    change = None
+    if resume_from is not None:
+        state = storage.read_json(storage.join(resume_from, "state.json"))
+        change = _check_config_change(config, state, rows_per_step, allow_config_change)
+    barrier(info)  # every rank has read the checkpoints before any is set aside
     if info.is_main:
-        storage.makedirs(config.output)
-        storage.write_json_atomic(storage.join(config.output, "config.json"), config.to_dict())
+        _record_run(config, skipped, change)
     barrier(info)
     if target_config is None:
         target_config = load_target_config(config.target.path)
@@ -150,7 +243,6 @@ def plan_run(
         dataset = open_datasets(config.data.datasets)
     stream = _row_stream(config, dataset, drafter_config.block_size, target_config)
     total_rows = stream.total_rows()
-    rows_per_step = placement.dp_world * config.optim.grad_accum
     total_steps = total_rows // rows_per_step
     if config.optim.max_steps is not None:
         total_steps = min(total_steps, config.optim.max_steps)
@@ -160,11 +252,6 @@ def plan_run(
             f"fewer than one step needs ({placement.dp_world} drafter replica(s) x grad_accum "
             f"{config.optim.grad_accum}); lower data.row_tokens or add data"
         )
-    resume_from = existing if resume else None
-    step = cursor = 0
-    if resume_from is not None:
-        state = storage.read_json(storage.join(resume_from, "state.json"))
-        step, cursor = int(state["step"]), int(state["cursor"])
     return RunPlan(
         config=config,
         info=info,
@@ -176,7 +263,7 @@ def plan_run(
         dataset=dataset,
         total_rows=total_rows,
         total_steps=total_steps,
-        start_step=step,
-        start_cursor=cursor,
+        start_step=int(state["step"]),
+        start_cursor=int(state["cursor"]),
         resume_from=resume_from,
     )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from flashdraft.model.config import DrafterConfig
+from flashdraft.model.hybrid import DELTA_RULE_CHUNK, linear_layer_ids
 from flashdraft.train.config import RunConfig
 
 GB = 2**30
@@ -47,6 +48,25 @@ def target_param_bytes(target_config: Any, dtype_bytes: int) -> float:
     return float(sum(p.numel() for p in model.parameters()) * dtype_bytes)
 
 
+def linear_attention_bytes_per_token(text: Any, dtype_bytes: int) -> float:
+    """Transient bytes per token of one Gated DeltaNet layer of a hybrid target, at its peak
+    inside the delta rule (an estimate from the tensors the layer holds, not yet measured on a
+    GPU): (1) in the target dtype, the q/k/v projection before and after the convolution
+    (2 x (2 nk dk + nv dv)), the gate z, the rule's output and the gated norm's (3 nv dv);
+    (2) fp32 working copies of q and k repeated to the value heads, v, g and beta
+    (transformers' torch path): 4 x (2 nv dk + nv dv + 2 nv); (3) the chunked rule's state at
+    every chunk start, fp32 dk x dv per value head every C tokens: 4 nv dk dv / C; (4) about
+    three C x C intra-chunk matrices per value head: 4 x 3 nv C. Training runs without a
+    cache: no K/V and no state outlives the layer."""
+    nk, nv = text.linear_num_key_heads, text.linear_num_value_heads
+    dk, dv, chunk = text.linear_key_head_dim, text.linear_value_head_dim, DELTA_RULE_CHUNK
+    low = dtype_bytes * (2 * (2 * nk * dk + nv * dv) + 3 * nv * dv)  # (1)
+    working = 4 * (2 * nv * dk + nv * dv + 2 * nv)  # (2)
+    states = 4 * nv * dk * dv / chunk  # (3)
+    intra = 4 * 3 * nv * chunk  # (4)
+    return float(low + working + states + intra)
+
+
 def estimate(
     config: RunConfig,
     drafter: DrafterConfig,
@@ -60,11 +80,15 @@ def estimate(
     inter = text.intermediate_size
     q = config.loss.anchors * drafter.block_size
     kv_dim = drafter.num_key_value_heads * drafter.head_dim
+    # One layer's transient at row length: MLP gate/up/act and attention q/k/v/out; on a
+    # hybrid target the largest of that and a linear-attention layer's.
+    per_token = (3 * inter + 6 * h) * dtype_bytes
+    if linear_layer_ids(target_config):
+        per_token = max(per_token, linear_attention_bytes_per_token(text, dtype_bytes))
     return MemoryEstimate(
         {
             "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
-            # One layer's transient (MLP gate/up/act, attention q/k/v/out) at row length.
-            "target activations": t * (3 * inter + 6 * h) * dtype_bytes,
+            "target activations": t * per_token,
             "taps + last hidden state": t * h * (drafter.num_taps + 1) * dtype_bytes,
             "drafter weights+grads+AdamW (fp32)": drafter_params * 16.0,
             "drafter bf16 weight copies": drafter_params * 2.0,

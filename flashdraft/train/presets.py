@@ -88,9 +88,47 @@ def smollm2_demo(
     )
 
 
+def smollm2_135m(
+    *,
+    target: str = "HuggingFaceTB/SmolLM2-135M-Instruct",
+    datasets: tuple[str, ...] = ("quality-run/data",),
+    output: str = "quality-run/runs/reference",
+    eval_prompts: str = "quality-run/prompts/eval_mixed.jsonl",
+    steps: int | None = None,
+) -> RunConfig:
+    """The reference recipe (issue 18, the same run as configs/smollm2-135m.toml): a
+    DFlash drafter for SmolLM2-135M-Instruct on the on-policy data `bench/quality.py` builds
+    (chat turns, HumanEval, code mined from installed Python sources), one H200 in at most
+    20 minutes. 3 draft layers (SmolLM2 has 30: taps by the default rule), B = 16, A = 512
+    anchors per 8192-token row, the target's argmax as labels, decay gamma 7, AdamW at 6e-4
+    with warmup and cosine decay; real draft-and-verify evals on 16 held-out prompts
+    (8 chat, 8 HumanEval) every 2000 steps give the tau-vs-tokens curve.
+
+    These are starting values. The ablations that must set them, on the GPU, with
+    `bench/quality.py train --run NAME --set ...` on the same data and steps, each recorded
+    in benchmarks/: 3 vs 5 draft layers; lr (3e-4, 6e-4, 1.2e-3); exponential decay gamma
+    vs a D-PACE-style position weighting (a `loss.weighting` option the run config does not
+    have yet); hard labels (the target's argmax) vs soft ones (KL to the target's
+    distribution at the block positions: `loss.labels = "soft"`, not there yet). `steps`
+    stops early (default: every epoch)."""
+    return RunConfig(
+        output=output,
+        seed=0,
+        target=TargetSection(path=target),
+        data=DataSection(datasets=list(datasets), row_tokens=8192, overlong="split"),
+        drafter=DrafterSection(num_layers=3, block_size=16),
+        loss=LossSection(anchors=512, gamma=7.0, labels="target"),
+        optim=OptimSection(lr=6e-4, schedule="cosine", warmup_steps=200, epochs=2, max_steps=steps),
+        checkpoint=CheckpointSection(every=500, keep=2),
+        log=LogSection(every=20),
+        eval=EvalSection(every=2000, prompts=eval_prompts, num_prompts=16, max_new_tokens=128),
+    )
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "qwen3-8b": qwen3_8b,
     "smollm2-demo": smollm2_demo,
+    "smollm2-135m": smollm2_135m,
 }
 
 

@@ -9,7 +9,7 @@ the CPU rows before any forward and is all-reduced once per step.
 `train` is the entry point of every rank: it plans the run (`plan`), then a target rank of
 the split placement serves the target (`server`) and a drafter rank runs `Trainer.fit`.
 
-    flashdraft train --config run.toml [--set optim.lr=3e-4 ...] [--resume]
+    flashdraft train --config run.toml [--set optim.lr=3e-4 ...] [--resume [--allow-config-change]]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from flashdraft import storage
 from flashdraft.eval.evaluate import evaluate_drafter, load_prompts
 from flashdraft.export import save_dflash, verify_export
-from flashdraft.log import get_logger
+from flashdraft.log import get_logger, trace
 from flashdraft.model.attention import default_backend
 from flashdraft.model.drafter import DFlashDrafter, param_count
 from flashdraft.model.target import decoder_layers
@@ -100,6 +100,7 @@ class Trainer:
                 log.info(f"flashdraft train: memory estimate per GPU\n{estimate.table()}")
         self.source = open_feature_source(plan, self.backend, target_model)
         self.target, self.head = self.source.target, self.source.head
+        self.head.check_drafter(self.drafter_config)  # what the export will tell the engines
 
         self.drafter = initial_drafter(config, self.drafter_config).to(self.device)
         if config.compile and self.device.type == "cuda":
@@ -113,8 +114,8 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.drafter, config.optim, self.device)
         self.step, self.cursor = plan.start_step, plan.start_cursor
-        if plan.resume_from is not None:
-            load_checkpoint(plan.resume_from, self.drafter, self.optimizer)
+        if plan.resume_from is not None:  # verified by plan_run
+            load_checkpoint(plan.resume_from, self.drafter, self.optimizer, verify=False)
         self.guard = FiniteGuard(self.optimizer, self.device, self.step)
         self.logger = (
             MetricsLogger(
@@ -375,6 +376,7 @@ class Trainer:
                 "cursor": self.cursor,
                 "total_steps": self.total_steps,
                 "dp_world": self.placement.dp_world,
+                "rows_per_step": self.rows_per_step,
             },
             keep=self.config.checkpoint.keep,
             is_main=self.placement.is_logger,
@@ -400,13 +402,26 @@ class Trainer:
             config.data.prefetch if config.parallel.overlap else 0,
         )
         interval, last_record = Interval(), {}
+        # The first step compiles (drafter layers, and the target on CUDA): say so, it can
+        # take a minute with a cold cache and looks like a hang otherwise.
+        compiling = self.device.type == "cuda" and (config.compile or config.target.compile)
+        if compiling and self.step < self.total_steps:
+            log.info("flashdraft train: compiling for the first step (up to a minute or two cold)")
+            if progress is not None:
+                progress.set_description("train (compiling)")
+                progress.refresh()
         while self.step < self.total_steps:
             step_rows = [next(rows) for _ in range(config.optim.grad_accum)]
+            for row in step_rows:  # what each rank consumed (FLASHDRAFT_TRACE; tests)
+                trace("row", step=self.step + 1, epoch=row.epoch, index=row.index)
             grad_norm = self.train_step(step_rows, interval)
             self.step += 1
             self.cursor += self.rows_per_step
             if progress is not None:
                 progress.update(1)
+                if compiling:
+                    progress.set_description("train")
+                    compiling = False
             checkpoint_now = (
                 config.checkpoint.every > 0 and self.step % config.checkpoint.every == 0
             )
@@ -434,6 +449,7 @@ class Trainer:
         if self.placement.is_logger:
             export = storage.join(self.run_dir, "export")
             save_dflash(whole, export)
+            trace("write", what="export", url=export)
             verify_export(whole, export)
             log.info(f"flashdraft train: done; serving-format drafter in {export}")
         if self.logger is not None:
@@ -442,16 +458,26 @@ class Trainer:
 
 
 def train(
-    config: RunConfig, resume: bool = False, target_model: Any = None, dataset: Any = None
+    config: RunConfig,
+    resume: bool = False,
+    target_model: Any = None,
+    dataset: Any = None,
+    *,
+    allow_config_change: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) a training run on this process's rank; returns the last logged metrics
-    record on the logging rank (empty elsewhere), and prints it as `{"final": ...}`."""
+    record on the logging rank (empty elsewhere), and prints it as `{"final": ...}`.
+    `allow_config_change`: resume even with settings that change what is trained (recorded
+    in the run's `run_config_changes.jsonl`)."""
     info = init_distributed(config.device)
     record: dict[str, Any] = {}
     try:
         torch.manual_seed(config.seed + info.rank)
         target_config = target_model.config if target_model is not None else None
-        plan = plan_run(config, info, resume, target_config, dataset)
+        plan = plan_run(
+            config, info, resume, target_config, dataset, allow_config_change=allow_config_change
+        )
+        trace("role", role=plan.placement.role, world=info.world, local_rank=info.local_rank)
         if plan.placement.role == "target":
             serve_target(plan, target_model)
             barrier(info)

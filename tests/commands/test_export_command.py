@@ -44,10 +44,16 @@ def test_export_cli_reports_what_it_wrote(tmp_path, capsys) -> None:
     assert capsys.readouterr().out == (
         f"wrote dflash drafter to {tmp_path / 'out'}: {config.num_hidden_layers} layers, "
         f"B={config.block_size}, taps {config.target_layer_ids} (z-lab ids), mask token "
-        f"{config.mask_token_id}; reload check passed (identical weights and outputs)\n"
+        f"{config.mask_token_id}; reload check passed (identical weights and outputs, "
+        "config.json as the engines read it)\n"
     )
     assert cli.main(["export", str(tmp_path / "nothing"), "--output", str(tmp_path / "x")]) == 2
     assert "neither a serving-format drafter" in capsys.readouterr().err
+    # The output now holds an export: refused (before the drafter is even loaded) ...
+    argv = ["export", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    assert cli.main([*argv, "--overwrite"]) == 0  # ... unless asked for
     with pytest.raises(SystemExit):  # argparse: not one of the formats
         cli.main(["export", str(tmp_path / "ckpt"), "--output", "o", "--format", "onnx"])
     assert "invalid choice: 'onnx'" in capsys.readouterr().err

@@ -43,3 +43,13 @@ def test_an_unknown_preset_is_an_argument_error(capsys) -> None:
     with pytest.raises(SystemExit):
         _options("--preset", "llama-9000")
     assert "invalid choice: 'llama-9000'" in capsys.readouterr().err
+
+
+def test_allow_config_change_is_a_flag_of_resume_only(capsys) -> None:
+    options = _options("--preset", "qwen3-8b", "--resume", "--allow-config-change")
+    assert options.resume and options.allow_config_change
+    assert not _options("--preset", "qwen3-8b").allow_config_change
+    assert cli.main(["train", "--preset", "qwen3-8b", "--allow-config-change"]) == 2
+    assert capsys.readouterr().err == (
+        "flashdraft train: error: --allow-config-change only applies with --resume\n"
+    )

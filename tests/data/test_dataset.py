@@ -12,6 +12,7 @@ import pytest
 from flashdraft.data.dataset import (
     PreparedDataset,
     ShardStore,
+    filter_stream,
     open_dataset,
     open_datasets,
     record_batch,
@@ -148,3 +149,30 @@ def test_token_counts_come_from_the_count_columns(tmp_path: Path) -> None:
     write_dataset(str(tmp_path / "ds"), written, shards=2)
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest["counts"] == counts
+
+
+def test_a_data_file_cut_short_is_an_error_naming_it(tmp_path: Path) -> None:
+    write_dataset(str(tmp_path / "ds"), rows(40), shards=2)
+    path = tmp_path / "ds" / "data-00001-of-00002.arrow"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"data-00001-of-00002\.arrow is damaged or cut short"):
+        open_dataset(str(tmp_path / "ds"))
+
+
+def test_a_damaged_shard_is_not_reused(tmp_path: Path) -> None:
+    store = ShardStore(str(tmp_path / "out"), {"v": 1}, overwrite=False)
+    data = stream_bytes(record_batch(rows(5)))
+    marker = store.save(0, "digest", data, {"samples": 5}, [])
+    assert store.finished(0, "digest") == marker
+    (tmp_path / "out" / marker["file"]).write_bytes(data[:-8])
+    assert store.finished(0, "digest") is None  # redone, not kept
+
+
+def test_filter_stream_drops_samples_by_source_and_recounts() -> None:
+    written = rows(6)
+    data, counts = filter_stream(stream_bytes(record_batch(written)), lambda s: s != "data.jsonl:2")
+    kept = [r for r in written if r[2] != "data.jsonl:2"]
+    assert data == stream_bytes(record_batch(kept))
+    assert counts == token_counts(record_batch(kept))
+    empty, counts = filter_stream(data, lambda s: False)
+    assert counts["samples"] == 0 and empty == stream_bytes(record_batch([]))

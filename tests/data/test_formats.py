@@ -18,6 +18,7 @@ from flashdraft.data.formats import (
     parse_record,
     read_conversations,
     read_records,
+    record_id,
     record_tools,
 )
 
@@ -205,3 +206,17 @@ def test_read_conversations_every_line_accounted(tmp_path: Path, suffix: str) ->
     assert isinstance(results[1][1], RecordError)
     assert [len(r) for _, r in results if not isinstance(r, RecordError)] == [2, 2]
     assert len(list(read_records(str(path)))) == 3
+
+
+def test_a_records_own_id() -> None:
+    assert record_id({"id": "a#1", "prompt": "x"}) == "a#1"
+    assert record_id({"id": 7}) == "7"
+    for no_id in ({"id": ""}, {"id": True}, {"id": None}, {"id": [1]}, {}, ["id"]):
+        assert record_id(no_id) is None, no_id
+
+
+def test_a_byte_order_mark_does_not_reject_the_first_record(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "q", "completion": "a"}).encode())
+    ((source, conversation),) = read_conversations(str(path))
+    assert source == f"{path}:1" and not isinstance(conversation, RecordError)

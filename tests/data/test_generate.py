@@ -4,11 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -268,52 +263,6 @@ def _lines(*paths: Path) -> int:
     return sum(p.read_bytes().count(b"\n") for p in paths if p.exists())
 
 
-def test_resume_after_kill_has_no_duplicates_and_no_gaps(
-    tmp_path: Path, smollm2_dir: Path, smol: tuple[Any, Any]
-) -> None:
-    tokenizer, _ = smol
-    questions = ["What is 2+2?", "Name a color.", "Say hello.", "What is the capital of France?"]
-    questions += ["Reply with one word: yes or no?", "Hi", "Count to three.", "Name a fruit."]
-    prompts = _write_jsonl(tmp_path / "in.jsonl", [{"prompt": q} for q in questions])
-    options = {"target": str(smollm2_dir), "max_new_tokens": 6, "batch_size": 1}
-
-    # An uninterrupted run is the reference.
-    reference = tmp_path / "ref.jsonl"
-    run_generation(_config(prompts, reference, **options), _smol_backend(smol, 6), tokenizer)
-    expected = _read_jsonl(reference) + _read_jsonl(tmp_path / "ref.rejected.jsonl")
-    assert len(expected) == len(questions)
-
-    # The CLI in a subprocess, killed (SIGKILL: no clean-up) once a few records are written.
-    out = tmp_path / "out.jsonl"
-    side = tmp_path / "out.rejected.jsonl"
-    command = [sys.executable, "-m", "flashdraft.cli", "generate", "--target", str(smollm2_dir)]
-    command += ["--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "6"]
-    command += ["--batch-size", "1", "--device", "cpu", "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with (tmp_path / "stderr.txt").open("wb") as stderr:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-        deadline = time.monotonic() + 120
-        while _lines(out, side) < 2 and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert process.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()
-    written = _lines(out, side)
-    assert 2 <= written < len(questions)
-    # And a crash in the middle of a write: half a line at the end.
-    with out.open("ab") as f:
-        f.write(b'{"id": "' + expected[-1]["id"].encode() + b'", "source": "')
-
-    summary = run_generation(_config(prompts, out, **options), _smol_backend(smol, 6), tokenizer)
-    assert summary.already_done == written
-    got = _read_jsonl(out) + _read_jsonl(side)
-    ids = [r["id"] for r in got]
-    assert len(ids) == len(set(ids))  # no duplicates
-    assert sorted(ids) == sorted(r["id"] for r in expected)  # no gaps, the same ids
-    by_id = {r["id"]: r for r in got}
-    assert all(by_id[r["id"]] == r for r in expected)  # and the same records
-
-
 def test_cli_reports_a_missing_input_cleanly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -374,3 +323,31 @@ def test_generate_is_the_whole_command(tmp_path: Path, smollm2_dir: Path) -> Non
     # Other settings are refused before the target is loaded.
     with pytest.raises(ValueError, match="other settings"):
         generate(GenerateConfig(target=str(smollm2_dir), prompts=[str(prompts)], output=str(out)))
+
+
+def test_the_static_backend_writes_the_hf_backends_records(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """`--backend static` (slots on a static cache) writes the same records as `--backend hf`
+    at T = 0; the backend is not a recorded setting, so either may resume the other's output."""
+    prompts = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": "What is 2+2?"}, {"prompt": "Name a color."}, {"prompt": "Say hi."}],
+    )
+    outputs = {}
+    for backend in ("hf", "static"):
+        out = tmp_path / f"{backend}.jsonl"
+        config = GenerateConfig(
+            target=str(smollm2_dir),
+            prompts=[str(prompts)],
+            output=str(out),
+            sampling=Sampling(temperature=0.0, max_new_tokens=6),
+            backend=backend,
+            batch_size=2,
+            device="cpu",
+            keep_truncated=True,
+            progress=False,
+        )
+        assert generate(config).backend == backend
+        outputs[backend] = _read_jsonl(out)
+    assert outputs["static"] == outputs["hf"] and len(outputs["hf"]) == 3

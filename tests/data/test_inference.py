@@ -13,6 +13,7 @@ from flashdraft.data.inference import (
     Generated,
     HFBackend,
     Sampling,
+    StaticBackend,
     default_device,
     finish,
     load_backend,
@@ -65,6 +66,38 @@ def test_greedy_batched_generation_equals_model_generate(
     assert {g.finish_reason for g in batched} == {"stop", "length"}
     # The progress counter saw every generated token and no padding.
     assert sum(counted) == sum(g.num_generated for g in batched)
+
+
+def test_the_static_backend_gives_the_hf_backends_greedy_results(smol: tuple[Any, Any]) -> None:
+    """Real SmolLM2 (fp32): the same token ids and finish reasons as HF's batched generate,
+    through slots that are fewer than the prompts (refills) and a cache grown between calls."""
+    tokenizer, model = smol
+    prompts = _prompts(tokenizer)
+    sampling = Sampling(max_new_tokens=12)
+    reference = HFBackend(model, sampling, [SMOLLM2_EOS], SMOLLM2_EOS).generate(
+        prompts, seed=0, on_tokens=lambda n: None
+    )
+    backend = StaticBackend(model, sampling, [SMOLLM2_EOS], slots=3, sync_every=4)
+    assert backend.name == "static" and backend.schedules_batches
+    counted: list[int] = []
+    short = backend.generate(prompts[:1], seed=0, on_tokens=counted.append)
+    assert short == reference[:1]
+    assert backend.generate(prompts, seed=0, on_tokens=counted.append) == reference
+    assert sum(counted) >= sum(g.num_generated for g in reference)
+    sampled = StaticBackend(
+        model, Sampling(temperature=1.0, max_new_tokens=6), [SMOLLM2_EOS], slots=2
+    )
+    first = sampled.generate(prompts[:2], seed=7, on_tokens=lambda n: None)
+    assert first == sampled.generate(prompts[:2], seed=7, on_tokens=lambda n: None)
+
+
+def test_load_backend_choices(smollm2_dir: Path) -> None:
+    args = (str(smollm2_dir), Sampling(max_new_tokens=4), [SMOLLM2_EOS], SMOLLM2_EOS)
+    assert isinstance(load_backend("auto", *args, device="cpu"), HFBackend)  # no GPU: HF
+    static = load_backend("static", *args, device="cpu", batch_size=8, max_batch_tokens=256)
+    assert isinstance(static, StaticBackend) and static.slots == 8
+    with pytest.raises(ValueError, match="unknown backend 'tgi'"):
+        load_backend("tgi", *args)
 
 
 def test_seeded_sampling_is_reproducible(smol: tuple[Any, Any]) -> None:

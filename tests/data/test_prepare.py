@@ -155,13 +155,18 @@ def test_output_independent_of_workers_and_resume(tmp_path: Path, smollm2_dir: P
     )
     assert again.reused_shards == 3
     assert before == {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if p.is_file()}
-    # Grown input: the finished shards are reused, the last one is redone, names follow.
+    # Grown input: refused over a finished dataset; with --overwrite the finished shards are
+    # reused, the last one is redone, names follow.
     source.write_bytes(
         lines([chat(i) for i in range(60)] + BAD[:1] + [chat(100 + i) for i in range(20)])
     )
-    grown = run(
-        config([str(source)], smollm2_dir, tmp_path / "one", shard_size=16, max_reject_rate=0.1)
+    grown_config = config(
+        [str(source)], smollm2_dir, tmp_path / "one", shard_size=16, max_reject_rate=0.1
     )
+    with pytest.raises(FileExistsError, match=r"other inputs \(.*chats\.jsonl has"):
+        run(grown_config)
+    grown_config.overwrite = True
+    grown = run(grown_config)
     assert grown.reused_shards == 3
     assert len(open_dataset(str(tmp_path / "one"))) == 80
     assert grown.manifest["data_files"][-1] == "data-00005-of-00006.arrow"
@@ -343,6 +348,105 @@ def test_fsspec_urls_for_inputs_and_output(tmp_path: Path, smollm2_dir: Path) ->
     assert run(cfg).reused_shards == 3
     with pytest.raises(FileNotFoundError, match="matched no data files"):
         run(config(["memory://flashdraft-prepare/none/*.jsonl"], smollm2_dir, tmp_path / "out2"))
+
+
+def test_changed_inputs_are_refused_over_a_finished_dataset(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(8)]))
+    run(config([str(source)], smollm2_dir, tmp_path / "out"))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    source.write_bytes(lines([chat(i) for i in range(7)] + [chat(8)]))  # same size, changed
+    with pytest.raises(FileExistsError, match="its sha256 differs"):
+        run(config([str(source)], smollm2_dir, tmp_path / "out"))
+    assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(lines([chat(i) for i in range(8)]))
+    with pytest.raises(FileExistsError, match=r"no longer given: .*chats\.jsonl; new: "):
+        run(config([str(other)], smollm2_dir, tmp_path / "out"))
+    replaced = run(config([str(source)], smollm2_dir, tmp_path / "out", overwrite=True))
+    assert (
+        replaced.manifest["inputs"][0]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    )
+
+
+def test_a_byte_order_mark_and_empty_inputs(tmp_path: Path, smollm2_dir: Path) -> None:
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + lines([chat(i) for i in range(4)]))
+    result = run(config([str(bom)], smollm2_dir, tmp_path / "out"))
+    assert result.manifest["counts"]["samples"] == 4 and result.manifest["counts"]["rejected"] == 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n  \n")  # only blank lines
+    with pytest.raises(ValueError, match=f"no records in {empty}: the file is empty"):
+        run(config([str(empty)], smollm2_dir, tmp_path / "nothing"))
+    assert not (tmp_path / "nothing").exists()  # no half state left behind
+    both = run(config([str(empty), str(bom)], smollm2_dir, tmp_path / "both"))
+    assert both.manifest["counts"]["samples"] == 4  # an empty file among others: a warning
+
+
+def test_duplicate_ids_are_rejected_in_input_order_across_shards_and_on_resume(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    records = [{**chat(i), "id": f"r{i % 9}"} for i in range(12)]  # r0, r1, r2 twice
+    records[4].pop("id")  # a record without an id is never a duplicate
+    records.append({**chat(40), "id": 2})  # an integer id, its own
+    source = tmp_path / "ids.jsonl"
+    source.write_bytes(lines(records))
+    results = {}
+    for name, shard_size in (("one", 100), ("sharded", 4)):  # within a shard and across
+        results[name] = run(
+            config(
+                [str(source)],
+                smollm2_dir,
+                tmp_path / name,
+                shard_size=shard_size,
+                max_reject_rate=0.5,
+            )
+        )
+        rejects = (tmp_path / name / "rejects.jsonl").read_text().splitlines()
+        assert [json.loads(r) for r in rejects] == [
+            {
+                "source": f"{source}:{10 + k}",
+                "reason": f"duplicate id 'r{k}' (ids must be unique; first at {source}:{1 + k})",
+            }
+            for k in range(3)
+        ]
+        counts = results[name].manifest["counts"]
+        assert (counts["records"], counts["samples"], counts["rejected"]) == (13, 10, 3)
+    one, sharded = open_dataset(str(tmp_path / "one")), open_dataset(str(tmp_path / "sharded"))
+    assert [one.source(i) for i in range(10)] == [sharded.source(i) for i in range(10)]
+    assert results["one"].manifest["counts"] == results["sharded"].manifest["counts"]
+    # Resumed after a shard was lost, the duplicates are decided again the same way.
+    before = {p.name: p.read_bytes() for p in (tmp_path / "sharded").iterdir() if p.is_file()}
+    (tmp_path / "sharded" / ".work" / "shard-00000.json").unlink()
+    again = run(
+        config([str(source)], smollm2_dir, tmp_path / "sharded", shard_size=4, max_reject_rate=0.5)
+    )
+    assert again.reused_shards == 3
+    assert before == {
+        p.name: p.read_bytes() for p in (tmp_path / "sharded").iterdir() if p.is_file()
+    }
+
+
+def test_the_manifest_is_never_left_checking(
+    tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flashdraft.data.prepare as prepare_module
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "audit_dataset", crash)
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(4)]))
+    with pytest.raises(KeyboardInterrupt):
+        run(config([str(source)], smollm2_dir, tmp_path / "out"))
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["status"] == "failed"
+    assert manifest["problems"] == ["the checks did not finish (KeyboardInterrupt: )"]
+    monkeypatch.undo()
+    assert run(config([str(source)], smollm2_dir, tmp_path / "out")).ok  # and it finishes
 
 
 def test_config_is_validated(tmp_path: Path) -> None:

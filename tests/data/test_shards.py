@@ -1,4 +1,5 @@
-"""Inputs cut into shards (order, hashes, digests) and the shard loop (resume, reuse)."""
+"""Inputs cut into shards (order, hashes, digests, changes) and the shard loop (resume,
+reuse, the ordered stage)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from flashdraft.data.dataset import ShardStore, record_batch, stream_bytes
-from flashdraft.data.shards import Inputs, Lines, ShardResult, process_shards
+from flashdraft.data.shards import Inputs, Lines, ShardResult, inputs_difference, process_shards
 
 
 def write(path: Path, lines: list[bytes]) -> Path:
@@ -75,3 +76,63 @@ def test_finished_shards_are_reused_and_the_rest_processed(tmp_path: Path) -> No
     assert run() == []  # everything finished: nothing processed, no worker started
     (tmp_path / "out" / ".work" / "shard-00001.json").unlink()
     assert run() == [1]  # an interrupted shard is redone alone
+
+
+def test_a_byte_order_mark_opens_the_first_record_not_the_input(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.jsonl", [b"\xef\xbb\xbf1", b"2"])
+    (shard,) = Inputs([str(a)]).shards(8)
+    assert shard.lines == [(f"{a}:1", b"1"), (f"{a}:2", b"2")]
+
+
+class Ordered:
+    """An ordered stage that records what it saw; `refuse` makes reused shards redone."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        self.refuse, self.seen = refuse, []
+
+    def apply(self, result: ShardResult) -> ShardResult:
+        self.seen.append(("apply", result.index))
+        result.extra = {"tag": result.index}
+        return result
+
+    def replay(self, marker: dict) -> bool:
+        self.seen.append(("replay", marker["index"]))
+        return marker["index"] not in self.refuse
+
+
+def test_an_ordered_stage_sees_every_shard_in_order_and_may_redo_reused_ones(
+    tmp_path: Path,
+) -> None:
+    source = write(tmp_path / "in.jsonl", [b"%d" % i for i in range(7)])
+    out = str(tmp_path / "out")
+
+    def run(stage: Ordered) -> list[tuple[str, int]]:
+        CALLS.clear()
+        store = ShardStore(out, {"v": 1}, overwrite=False)
+        done = process_shards(
+            Inputs([str(source)]),
+            store,
+            Echo,
+            shard_size=3,
+            workers=1,
+            progress=False,
+            ordered=stage,
+        )
+        assert [m["tag"] for m in done.markers] == [0, 1, 2]  # `extra` is in the marker
+        return stage.seen
+
+    assert run(Ordered(set())) == [("apply", 0), ("apply", 1), ("apply", 2)]
+    assert run(Ordered({1})) == [("replay", 0), ("replay", 1), ("apply", 1), ("replay", 2)]
+    assert CALLS == [1]
+
+
+def test_changed_inputs_are_named(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.jsonl", [b"1", b"2"])
+    inputs = Inputs([str(a)])
+    list(inputs.shards(8))
+    assert inputs_difference(inputs.records, [str(a)]) is None
+    assert "new: " in (inputs_difference(inputs.records, [str(a), "b.jsonl"]) or "")
+    write(a, [b"1", b"3"])  # the same size, other bytes
+    assert "its sha256 differs" in (inputs_difference(inputs.records, [str(a)]) or "")
+    write(a, [b"1", b"2", b"3"])
+    assert "has 6 bytes, 4 when prepared" in (inputs_difference(inputs.records, [str(a)]) or "")

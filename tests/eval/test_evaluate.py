@@ -12,6 +12,7 @@ from helpers import drafter_config_for, tiny_llama
 from flashdraft.eval.evaluate import (
     EvalConfig,
     check_compatible,
+    choose_decoder,
     evaluate_drafter,
     load_eval_target,
     run_eval,
@@ -21,7 +22,7 @@ from flashdraft.eval.speculative import Sampler
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import DFlashDrafter, init_seeded
 from flashdraft.model.head import TargetHead
-from flashdraft.model.target import Target, load_target
+from flashdraft.model.target import LayerTaps, Target, load_target
 from flashdraft.train.blocks import label_positions, slot_weights
 from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
 
@@ -255,6 +256,7 @@ def test_eval_config_defaults_and_validation() -> None:
         ("limit", 0),
         ("temperature", -0.5),
         ("dtype", "int8"),
+        ("decoder", "vllm"),
     ]:
         with pytest.raises(ValueError, match=rf"^{key} = "):
             _config(**{key: value})
@@ -289,8 +291,86 @@ def test_run_eval_casts_the_drafter_and_records_the_command_settings(
     assert [p["id"] for p in report["per_prompt"]] == ["p0", "p1"]
     settings = report["settings"]
     assert settings["drafter_dtype"] == "float32" and settings["max_new_tokens"] == 6
-    assert list(settings)[-3:] == ["target", "drafter", "prompts"]
+    assert list(settings)[-5:] == ["target", "drafter", "prompts", "decoder", "compile"]
+    assert report["loops"]["baseline"]["decoder"] == "hf"  # auto on a CPU
     assert settings["prompts"] == str(prompts) and settings["drafter"] == "d"
     assert report["lossless"] is True
     alone = run_eval(dataclasses.replace(config, reference=False), target, tokenizer, drafter)
     assert alone["settings"]["reference"] is False and "lossless" not in alone
+
+
+# ---- the two decode loops: static caches (graphs on CUDA) and HF's ----
+
+
+def test_the_static_loop_gives_the_hf_loops_report() -> None:
+    """Same outputs, acceptance lengths and lossless accounting at T = 0; the report says
+    which loop ran. With the trainer's hooks passed in, the static loop reads its taps
+    itself and leaves the hooks untouched."""
+    target = tiny_llama(initializer_range=0.3)
+    drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
+    drafter.reset_parameters(seed=0)
+    prompts = [[5, 17, 3, 42], [8, 11, 29]]
+    hf = evaluate_drafter(target, None, drafter, prompts, max_new_tokens=16, decoder="hf")
+    taps = LayerTaps(target, drafter.config.target_layer_ids)
+    static = evaluate_drafter(
+        target, None, drafter, prompts, max_new_tokens=16, decoder="static", taps=taps
+    )
+    assert not taps.captured
+    taps.remove()
+    for key in ("output_ids", "acceptance_lengths", "lossless"):
+        assert [e[key] for e in static["per_prompt"]] == [e[key] for e in hf["per_prompt"]]
+    assert static["tau"] == hf["tau"] and static["lossless"]
+    loop = {"decoder": "static", "graphs": False, "compiled": False, "batch_size": 1}
+    assert static["loops"] == {"speculative": loop, "baseline": loop}
+    assert hf["loops"]["speculative"]["decoder"] == "hf"
+    sampled = [
+        evaluate_drafter(target, None, drafter, prompts, max_new_tokens=16, temperature=1.5,
+                         decoder="static", seed=seed)["per_prompt"][0]["output_ids"]
+        for seed in (0, 0, 1)
+    ]  # fmt: skip
+    assert sampled[0] == sampled[1] != sampled[2]  # seeded per prompt
+
+
+def test_the_decoder_choice() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = tiny_llama()
+    assert choose_decoder("auto", target) == "hf"  # CPU: both eager, HF is the reference
+    assert choose_decoder("static", target) == "static"
+    assert choose_decoder("hf", target) == "hf"
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert choose_decoder("auto", gpt2) == "hf"
+    with pytest.raises(ValueError, match="decoder 'static' cannot run this target"):
+        choose_decoder("static", gpt2)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_static_loop_runs_with_graphs_and_stays_lossless() -> None:
+    target = tiny_llama(initializer_range=0.3).cuda()
+    drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
+    drafter.reset_parameters(seed=0)
+    prompts = [[5, 17, 3, 42], [8, 11, 29]]
+    hf = evaluate_drafter(target, None, drafter.cuda(), prompts, max_new_tokens=24, decoder="hf")
+    # (the compiled step is checked in tests/eval/test_fast.py: each compile costs ~20 s)
+    report = evaluate_drafter(target, None, drafter, prompts, max_new_tokens=24)
+    loop = report["loops"]["speculative"]
+    assert loop == {"decoder": "static", "graphs": True, "compiled": False, "batch_size": 1}
+    assert report["loops"]["baseline"] == loop and report["lossless"]
+    assert "speedup" in report
+    for key in ("output_ids", "acceptance_lengths"):
+        assert [e[key] for e in report["per_prompt"]] == [e[key] for e in hf["per_prompt"]]
+
+
+def test_a_static_forward_that_fails_its_check_is_refused(monkeypatch) -> None:
+    """The static forward is checked against HF's before use; asked for explicitly, a failed
+    check stops the eval (under auto, on CUDA, the HF loop runs instead, with a warning)."""
+    from flashdraft.model.static import StaticLM
+
+    def differs(self: StaticLM, length: int = 12) -> None:
+        raise ValueError("static decoding differs from the HF forward (logits: ...)")
+
+    monkeypatch.setattr(StaticLM, "verify", differs)
+    target = tiny_llama()
+    drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
+    with pytest.raises(ValueError, match="differs from the HF forward"):
+        evaluate_drafter(target, None, drafter, [[5, 17, 3]], max_new_tokens=4, decoder="static")

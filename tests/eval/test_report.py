@@ -185,6 +185,18 @@ def test_format_summary() -> None:
         "the target's logits are within 0.5 of a tie, 0 unexplained)"
     )
     assert lines[-1] == "speedup 1.87x (decode time per token, B=1 / B)"
+    fast = {"decoder": "static", "graphs": True, "compiled": True, "batch_size": 1}
+    same = format_summary(_report(speedup=2.5, loops={"speculative": fast, "baseline": fast}))
+    assert same.splitlines()[-1] == (
+        "speedup 2.50x (decode time per token, B=1 / B); both loops: static KV cache, "
+        "compiled, CUDA graphs, batch 1"
+    )
+    slow = {"decoder": "hf", "graphs": False, "compiled": False, "batch_size": 1}
+    mixed = format_summary(_report(speedup=2.5, loops={"speculative": fast, "baseline": slow}))
+    assert mixed.splitlines()[-1].endswith(
+        "; B: static KV cache, compiled, CUDA graphs, batch 1; B=1: HF DynamicCache, eager "
+        "kernels, batch 1"
+    )
     empty = summarize([_result([])], block_size=4)
     assert format_summary(empty).splitlines()[0] == "tau n/a (no verify steps)"
 

@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import drafter_config_for, tiny_llama
+from helpers import drafter_config_for, tiny_hybrid, tiny_llama
 from torch import Tensor
 
 from flashdraft.eval.speculative import Decoder, DecodeResult, Sampler, decode
+from flashdraft.model import hybrid
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import DFlashDrafter, DraftCache
 from flashdraft.model.head import TargetHead
@@ -293,3 +294,61 @@ def test_sampling_matches_the_targets_distribution_and_a_wrong_rule_does_not():
     assert set(lengths) == {1, 2, 3}  # rejections, partial and full acceptance all occur
     assert p_values["Sampler"] > 1e-3, p_values
     assert p_values["ResampleFromTarget"] < 1e-6, p_values
+
+
+# ---- hybrid targets: linear-attention states are restored and re-fed, never cropped ----
+
+
+@pytest.fixture(scope="module")
+def hybrid_target():
+    return tiny_hybrid("qwen3_5")
+
+
+@pytest.mark.parametrize(
+    ("kind", "regime"), [*(("qwen3_5", r) for r in sorted(POLICIES)), ("qwen3_next", "sometimes")]
+)
+def test_a_hybrid_target_decodes_exactly_its_greedy_output(hybrid_target, kind, regime):
+    hybrid_target = hybrid_target if kind == "qwen3_5" else tiny_hybrid(kind)
+    policy = POLICIES[regime]
+    decoder, drafter, reference = oracle_setup(hybrid_target, 4, policy)
+    assert decoder.taps is not None
+    try:
+        result = decode(decoder, PROMPT, 30)
+        # The drafter's context after the last step: the verified tokens' taps, as a fresh
+        # forward over the final sequence gives them.
+        assert drafter.last_cache is not None
+        start, keys = drafter.last_cache
+        with torch.inference_mode():
+            hybrid_target(input_ids=torch.tensor([reference[:start]]), use_cache=False)
+            features = decoder.taps.features()
+    finally:
+        decoder.taps.remove()
+    assert result.output_ids == hf_greedy(hybrid_target, PROMPT, 30)
+    assert result.acceptance_lengths == expected_lengths(reference, 4, policy, 30, set())
+    check_accounting(result, 4)
+    fresh = DraftCache()
+    drafter.extend_cache(fresh, features, torch.arange(start)[None])
+    torch.testing.assert_close(keys, fresh.keys[0], rtol=1e-4, atol=1e-4)
+
+
+def test_without_the_rollback_a_hybrid_target_leaves_its_greedy_output(hybrid_target, monkeypatch):
+    """Cropping only the K/V layers leaves the rejected drafts in the recurrent states."""
+
+    def crop_kv_only(self, saved, tokens: int) -> None:
+        for layer in self.cache.layers:
+            if not hasattr(layer, "recurrent_states"):
+                layer.crop(-tokens)
+
+    config = drafter_config_for(hybrid_target, block_size=4)
+    drafter = DFlashDrafter(config)
+    drafter.reset_parameters(seed=3)
+    taps = LayerTaps(hybrid_target, config.target_layer_ids)
+    decoder = Decoder(hybrid_target, drafter, TargetHead.from_model(hybrid_target), taps, 4)
+    try:
+        exact = decode(decoder, PROMPT, 30).output_ids
+        monkeypatch.setattr(hybrid.LinearStateRollback, "rewind", crop_kv_only)
+        broken = decode(decoder, PROMPT, 30).output_ids
+    finally:
+        taps.remove()
+    assert exact == hf_greedy(hybrid_target, PROMPT, 30)
+    assert broken != exact

@@ -31,15 +31,19 @@ FULL = _rows(
     "0000010000 0000 1111",
     "0000010000 0000 1111",
 )
-SLIDING_W2 = _rows(
-    "0110000000 1000 0000",  # last W=2 context positions before anchor 3; causal in block
-    "0110000000 1100 0000",
-    "0110000000 1110 0000",
-    "0110000000 1111 0000",
-    "0000010000 0000 1000",  # positions 4..5 in window, but 4 belongs to document 0
+# W = 3: the query at position p = anchor + slot sees keys k with k <= p and p - k < 3 (itself
+# and the two positions before it), as z-lab, vLLM and SGLang compute it. The window moves with
+# the slot: slot 0 of anchor 3 sees context 1..2, slot 1 only 2, slot 2 none; slot 3 loses
+# block slot 0 (W < B).
+SLIDING_W3 = _rows(
+    "0110000000 1000 0000",
+    "0010000000 1100 0000",
+    "0000000000 1110 0000",
+    "0000000000 0111 0000",
+    "0000010000 0000 1000",  # anchor 6: positions 4..5 in window, but 4 is in document 0
     "0000010000 0000 1100",
-    "0000010000 0000 1110",
-    "0000010000 0000 1111",
+    "0000000000 0000 1110",
+    "0000000000 0000 0111",
 )
 
 
@@ -50,8 +54,38 @@ def test_hand_worked_full_mask() -> None:
 
 
 def test_hand_worked_sliding_mask() -> None:
-    mask = build_mask(_layout(), "sdpa", sliding_window=2)
-    assert torch.equal(mask[0, 0], SLIDING_W2)
+    """SPEC trap 5: a per-query window that moves with the slot (the old rule gave every slot
+    the last W context positions before the anchor and the whole causal block)."""
+    mask = build_mask(_layout(), "sdpa", sliding_window=3)
+    assert torch.equal(mask[0, 0], SLIDING_W3)
+
+
+def _engine_reference(layout: BlockLayout, window: int) -> torch.Tensor:
+    """The engines' sliding rule written from absolute positions, one query at a time (z-lab's
+    `_attention_mask`: visible iff k <= q and q - k < W) on top of the DFlash context rule."""
+    rows, block, ctx = layout.num_rows, layout.block_size, layout.context_len
+    num_blocks = layout.anchors.shape[1]
+    out = torch.zeros(rows, layout.num_queries, ctx + layout.num_queries, dtype=torch.bool)
+    for r in range(rows):
+        for j in range(num_blocks):
+            a = int(layout.anchors[r, j])
+            for s in range(block):
+                q, p = j * block + s, a + s
+                for t in range(block):  # block key at position a + t
+                    out[r, q, ctx + j * block + t] = a + t <= p and p - (a + t) < window
+                if not layout.anchor_valid[r, j]:
+                    continue
+                for c in range(ctx):
+                    same_doc = layout.doc_ids[r, c] == layout.doc_ids[r, a]
+                    out[r, q, c] = bool(same_doc) and c < a and p - c < window
+    return out[:, None]
+
+
+@pytest.mark.parametrize("window", [1, 3, 6, 11])
+def test_sliding_mask_equals_the_engines_rule(window: int) -> None:
+    """Random packed rows, windows smaller and larger than the block (B = 4)."""
+    layout = _random_layout(5, ctx=30, anchors=4)
+    assert torch.equal(build_mask(layout, "sdpa", window), _engine_reference(layout, window))
 
 
 def test_invalid_anchor_sees_only_its_block() -> None:
@@ -96,7 +130,7 @@ def test_flex_block_mask_equals_dense_mask_forward(window: int | None) -> None:
 def test_decode_mask_matches_training_mask_for_one_anchor() -> None:
     # Anchor at packed index 7 of an 8-token document: its visible context is 0..6, exactly
     # the decode-time cache when the anchor (the bonus token) sits at position 7.
-    for window in (None, 3):
+    for window in (None, 3, 6):
         layout = BlockLayout(
             torch.tensor([[7]]), torch.tensor([[True]]), torch.zeros(1, 8, dtype=torch.long), 4
         )
@@ -106,6 +140,9 @@ def test_decode_mask_matches_training_mask_for_one_anchor() -> None:
         decode = decode_mask(7, 4, window, torch.device("cpu"))
         expected = torch.ones_like(train) if decode is None else decode[0, 0]
         assert torch.equal(train, expected)
+        if window is not None:  # a cache holding only context positions 2..6
+            held = decode_mask(7, 4, window, torch.device("cpu"), context_start=2)
+            assert held is not None and torch.equal(held[0, 0], train[:, 2:])
 
 
 @pytest.mark.gpu

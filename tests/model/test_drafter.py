@@ -279,3 +279,59 @@ def test_draft_block_matches_a_hand_written_spec_section_2_reference() -> None:
         drafter.extend_cache(cache, taps, positions[:, :a])
         got = drafter.draft_block(cache, head.embed(block_ids), start=a)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "window"),
+    [(["sliding_attention", "full_attention"], 3), (["sliding_attention"] * 2, 6)],
+    ids=["mixed-W<B", "sliding-W>B"],
+)
+def test_decode_equals_training_over_a_long_decode(kinds: list[str], window: int) -> None:
+    """SPEC trap 5 over many steps: the decode cache appends a few tokens at a time (its
+    buffers reallocate and the sliding layers drop what their window no longer sees), and
+    every block still equals the training path's block at the same anchor."""
+    config = tiny_config(layer_types=kinds, sliding_window=window, block_size=4)
+    drafter, head = tiny_drafter(config), tiny_head(config)
+    length = 200
+    hidden, ids = _row(7, length)
+    positions, docs = torch.arange(length)[None], torch.zeros(1, length, dtype=torch.long)
+    anchors = torch.tensor([[5, 66, 130, 190]])
+    train = _train_path(drafter, head, hidden, ids, positions, docs, anchors)
+    cache, done = DraftCache(), 0
+    for block, anchor in enumerate(anchors[0].tolist()):
+        while done < anchor:  # 1..4 verified tokens per step, as decoding appends them
+            step = min(1 + done % 4, anchor - done)
+            span = slice(done, done + step)
+            drafter.extend_cache(cache, hidden[:, span], positions[:, span])
+            done += step
+        block_ids = torch.full((1, 4), config.mask_token_id)
+        block_ids[0, 0] = ids[0, anchor]
+        decoded = drafter.draft_block(cache, head.embed(block_ids), start=anchor)
+        torch.testing.assert_close(decoded[0], train[0, block], rtol=1e-5, atol=1e-5)
+    held = [k.shape[2] for k in cache.keys]
+    assert held == [window - 1 if k == "sliding_attention" else length - 10 for k in kinds]
+    for kind, rows in zip(kinds, cache.capacity, strict=True):
+        assert rows <= (window - 1 + 4 + 64 if kind == "sliding_attention" else 2 * length)
+
+
+def test_decode_cache_crop() -> None:
+    """Undoing the last append works; cropping past what a sliding layer still holds fails."""
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    drafter = tiny_drafter(config)
+    hidden, _ = _row(8, 120)
+    positions = torch.arange(120)[None]
+    cache = DraftCache()
+    drafter.extend_cache(cache, hidden[:, :12], positions[:, :12])
+    before = [k.clone() for k in cache.keys]
+    drafter.extend_cache(cache, hidden[:, 12:16], positions[:, 12:16])
+    cache.crop(12)
+    assert cache.length == 12
+    for k, k0 in zip(cache.keys, before, strict=True):
+        assert torch.equal(k, k0)
+    for start in range(12, 120, 4):  # the sliding layer's buffer fills and drops old rows
+        drafter.extend_cache(cache, hidden[:, start : start + 4], positions[:, start : start + 4])
+    cache.crop(116)
+    with pytest.raises(ValueError, match="no longer holds the window"):
+        cache.crop(12)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(117)

@@ -75,3 +75,39 @@ def test_mask_token_choice_on_real_tokenizers(smollm2_dir, qwen3_tokenizer_dir) 
     # It is a special token the chat template never writes.
     assert smol.convert_ids_to_tokens(mask_id) not in (smol.chat_template or "")
     assert "reserved" in why
+
+
+def test_the_last_target_layer_is_refused() -> None:
+    """SPEC trap 12: the engines read layer L-1 after the final norm, our hooks before it."""
+    with pytest.raises(ValueError, match="after the final norm"):
+        DrafterConfig.from_target_config(_target(), mask_token_id=0, target_layer_ids=[1, 35])
+    DrafterConfig.from_target_config(_target(), mask_token_id=0, target_layer_ids=[1, 34])
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, (1.0, 1.0, None)),
+        ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, (64.0, 1.0, 30.0)),
+        ({"model_type": "cohere", "logit_scale": 0.0625}, (1.0, 0.0625, None)),
+        ({"model_type": "granite", "logits_scaling": 8.0}, (1.0, 0.125, None)),
+        ({"model_type": "gemma2", "final_logit_softcapping": None}, (64.0, 1.0, None)),
+    ],
+)
+def test_target_scaling_is_recorded(fields: dict, expected: tuple) -> None:
+    cfg = DrafterConfig.from_target_config(_target(**fields), mask_token_id=0)
+    assert (
+        cfg.input_embedding_scale,
+        cfg.output_multiplier,
+        cfg.final_logit_softcapping,
+    ) == expected
+
+
+def test_bad_scaling_is_refused() -> None:
+    base = DrafterConfig.from_target_config(_target(), mask_token_id=0).to_dict()
+    for name, value in (("output_multiplier", 0.0), ("final_logit_softcapping", float("inf"))):
+        with pytest.raises(ValueError, match=name):
+            DrafterConfig.from_dict({**base, name: value})
+    # Configs saved before these fields existed still load (defaults: no scaling).
+    old = {k: v for k, v in base.items() if "scal" not in k and "softcap" not in k}
+    assert DrafterConfig.from_dict(old) == DrafterConfig.from_dict(base)

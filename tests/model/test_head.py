@@ -1,6 +1,8 @@
+import pytest
 import torch
 from torch import nn
 
+from flashdraft.model.config import DrafterConfig
 from flashdraft.model.head import TargetHead
 
 
@@ -15,3 +17,50 @@ def test_chunked_argmax_at_equals_argmax_of_full_logits() -> None:
     rows = hidden.gather(1, positions.reshape(2, -1, 1).expand(-1, -1, 8))
     assert picked.shape == positions.shape
     assert torch.equal(picked, head.logits(rows).argmax(-1).view(positions.shape))
+
+
+def _tiny(config_cls: type, **extra: object) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **extra,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _configs() -> list[tuple[type, dict]]:
+    from transformers import CohereConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig
+
+    return [
+        (LlamaConfig, {}),
+        (Gemma2Config, {"final_logit_softcapping": 30.0}),
+        (Gemma3TextConfig, {"final_logit_softcapping": 30.0}),
+        (CohereConfig, {"logit_scale": 0.0625}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_drafter_config_records_what_the_real_head_applies(index: int) -> None:
+    """The scaling `DrafterConfig.from_target_config` derives from a target's config (and the
+    export writes for the engines) is what transformers' modules really apply."""
+    config_cls, extra = _configs()[index]
+    model = _tiny(config_cls, **extra)
+    head = TargetHead.from_model(model)
+    config = DrafterConfig.from_target_config(model.config, mask_token_id=0, num_layers=1)
+    head.check_drafter(config)
+    ids = torch.tensor([[3, 9]])
+    raw = model.get_input_embeddings().weight[ids]
+    torch.testing.assert_close(head.embed(ids), raw * config.input_embedding_scale)
+    wrong = DrafterConfig.from_dict({**config.to_dict(), "input_embedding_scale": 2.0})
+    with pytest.raises(ValueError, match=r"input_embedding_scale 2\.0"):
+        head.check_drafter(wrong)

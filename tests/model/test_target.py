@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flashdraft.model.target import LayerTaps, Target, decoder_layers, load_target
+from flashdraft.model.target import LayerTaps, Target, decoder_layers, load_target, pack_documents
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +134,43 @@ def test_packed_flex_forward_on_cuda_equals_documents_alone(tiny_qwen3_dir) -> N
         rel = (packed[:, start : start + n].float() - alone.float()).norm() / alone.float().norm()
         assert rel < 1e-2, float(rel)
         start += n
+
+
+# ---- hybrid targets (Qwen3.5 / Qwen3.6 / Qwen3-Next): loading, start-up check ----
+
+
+def test_a_hybrid_checkpoint_passes_the_startup_checks_packing_included(tiny_qwen3_5_dir) -> None:
+    model = load_target(str(tiny_qwen3_5_dir), dtype="float32", attn_implementation="sdpa")
+    assert model.config.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    target = Target(model, [1, 3, 6], backend="sdpa")
+    assert target.linear is not None
+    target.verify_taps()  # taps == hidden_states[i + 1], and a packed row == its documents
+    # Real tokens (the Qwen3 tokenizer's ids): labels of a packed row == each document's own.
+    docs = [torch.arange(1000, 1000 + n) * 7 for n in (9, 16)]
+    ids, positions, doc_ids = pack_documents(docs, 3)
+    features, labels = target.forward_packed(ids, positions, doc_ids, torch.arange(28)[None])
+    assert features.shape == (1, 28, 3 * 64)
+    with torch.inference_mode():
+        alone = model(input_ids=docs[1][None]).logits.argmax(-1)
+    assert torch.equal(labels[:, 9:25], alone)
+    target.taps.remove()
+
+
+def test_a_multimodal_qwen3_5_checkpoint_loads_as_its_language_model(tmp_path) -> None:
+    """Qwen3.5 / Qwen3.6 ship as Qwen3_5ForConditionalGeneration with a vision tower: the
+    target is the text model alone, with the real text config, and the same logits."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from flashdraft.assets import tiny_qwen3_5
+
+    path = tiny_qwen3_5(tmp_path / "vlm", num_layers=4, multimodal=True)
+    model = load_target(str(path), dtype="float32")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert model.config.model_type == "qwen3_5_text"
+    assert not any("visual" in name for name, _ in model.named_parameters())
+    text = model.config
+    assert (text.vocab_size, text.rope_parameters["partial_rotary_factor"]) == (151936, 0.25)
+    full = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([[151644, 872, 198, 9707, 151645]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, full(input_ids=ids).logits)

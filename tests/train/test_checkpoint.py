@@ -1,7 +1,10 @@
-"""Resumable checkpoints: complete or ignored, a bounded number kept, the full state back."""
+"""Resumable checkpoints: complete or ignored, checksummed, a bounded number kept, the full
+state back; a drafter loaded from a run, a checkpoint or an export, told by their markers."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 
 import numpy as np
@@ -9,15 +12,20 @@ import pytest
 import torch
 from helpers import tiny_drafter
 
-from flashdraft.export import save_dflash
+from flashdraft.export import save_dflash, save_speculators
 from flashdraft.train.checkpoint import (
+    STATE_FILES,
     complete_checkpoints,
     is_training_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     load_drafter,
     save_checkpoint,
+    save_drafter,
+    set_aside,
     step_dir,
+    usable_checkpoint,
+    verify_checkpoint,
 )
 
 
@@ -61,23 +69,116 @@ def test_only_complete_checkpoints_count_and_old_ones_are_deleted(tmp_path) -> N
     assert not (tmp_path / "checkpoints" / "step_00000001").exists()
     (tmp_path / "checkpoints" / "step_00000004").mkdir()  # a crash before COMPLETE
     assert latest_checkpoint(run) == step_dir(run, 3)
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(ValueError, match="no COMPLETE marker"):
         load_checkpoint(step_dir(run, 4), drafter, optimizer)
     assert save_checkpoint(run, 5, drafter, optimizer, {}, keep=2, is_main=False) is None
     assert latest_checkpoint(str(tmp_path / "nothing")) is None
 
 
-def test_load_drafter_reads_a_checkpoint_a_run_directory_or_an_export(tmp_path) -> None:
-    run = str(tmp_path / "run")
+def test_complete_records_every_file_and_any_change_is_named(tmp_path) -> None:
+    run = str(tmp_path)
     drafter, optimizer = _trained_a_little()
-    save_checkpoint(run, 2, drafter, optimizer, {}, keep=1, is_main=True)
-    (tmp_path / "run" / "config.json").write_text("{}")  # the run config, as `train` writes it
-    for url in (run, step_dir(run, 2)):
-        loaded = load_drafter(url)
+    url = save_checkpoint(run, 3, drafter, optimizer, {"cursor": 3}, keep=2, is_main=True)
+    assert url is not None
+    marker = json.loads((tmp_path / "checkpoints" / "step_00000003" / "COMPLETE").read_text())
+    assert marker["step"] == 3 and sorted(marker["files"]) == sorted(STATE_FILES)
+    for name, record in marker["files"].items():
+        data = (tmp_path / "checkpoints" / "step_00000003" / name).read_bytes()
+        assert record == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    assert verify_checkpoint(url) is None
+
+    folder = tmp_path / "checkpoints" / "step_00000003"
+    weights = (folder / "drafter.safetensors").read_bytes()
+    (folder / "drafter.safetensors").write_bytes(weights[:-10])  # cut short
+    assert "drafter.safetensors: " in (verify_checkpoint(url) or "")
+    assert "cut short" in (verify_checkpoint(url) or "")
+    flipped = bytearray(weights)
+    flipped[-1] ^= 1  # same size, one bit
+    (folder / "drafter.safetensors").write_bytes(bytes(flipped))
+    assert "sha256 differs" in (verify_checkpoint(url) or "")
+    with pytest.raises(ValueError, match=r"is unusable: drafter\.safetensors: its sha256"):
+        load_checkpoint(url, drafter, optimizer)
+    (folder / "drafter.safetensors").write_bytes(weights)
+    (folder / "state.json").unlink()
+    assert verify_checkpoint(url) == "state.json: missing"
+    # Loading only the drafter needs only the drafter's files.
+    assert torch.equal(load_drafter(url).fc.weight, drafter.fc.weight)
+
+
+def test_resume_walks_back_to_the_newest_checkpoint_that_verifies(tmp_path, caplog) -> None:
+    run = str(tmp_path)
+    drafter, optimizer = _trained_a_little()
+    for step in (2, 4, 6):
+        save_checkpoint(run, step, drafter, optimizer, {"cursor": step}, keep=3, is_main=True)
+    (tmp_path / "checkpoints" / "step_00000006" / "optimizer.safetensors").write_bytes(b"")
+    (tmp_path / "checkpoints" / "step_00000004" / "rng.safetensors").write_bytes(b"x" * 9)
+    found, skipped = usable_checkpoint(run)
+    assert found == step_dir(run, 2)
+    assert [url for url, _ in skipped] == [step_dir(run, 6), step_dir(run, 4)]
+    assert skipped[0][1].startswith("optimizer.safetensors: 0 bytes, COMPLETE recorded")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"skipping checkpoint {url}: {why}" for url, why in skipped]
+    # A run directory loads its newest usable drafter: 6 and 4 still have good drafter files.
+    assert load_drafter(run) is not None
+    moved = set_aside(step_dir(run, 6))
+    assert moved == str(tmp_path / "checkpoints" / "unusable_step_00000006")
+    assert [s for s, _ in complete_checkpoints(run)] == [2, 4]  # never counted again
+    assert (tmp_path / "checkpoints" / "unusable_step_00000006" / "COMPLETE").exists()
+
+
+def test_checkpoints_of_earlier_versions_load_after_a_structural_check(tmp_path, caplog) -> None:
+    """Before checksums, COMPLETE held the step number: such checkpoints still load (with a
+    warning), and a file cut short is still found by its safetensors header."""
+    run = str(tmp_path)
+    drafter, optimizer = _trained_a_little()
+    url = save_checkpoint(run, 5, drafter, optimizer, {"cursor": 5}, keep=2, is_main=True)
+    assert url is not None
+    folder = tmp_path / "checkpoints" / "step_00000005"
+    (folder / "COMPLETE").write_text("5\n")
+    fresh = tiny_drafter(seed=4)
+    state = load_checkpoint(url, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert state["step"] == 5 and torch.equal(fresh.fc.weight, drafter.fc.weight)
+    assert any("has no checksums" in r.getMessage() for r in caplog.records)
+    optimizer_file = folder / "optimizer.safetensors"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:-4])
+    assert "optimizer.safetensors: " in (verify_checkpoint(url) or "")
+    optimizer_file.write_bytes(b"")
+    assert "too short for a safetensors header" in (verify_checkpoint(url) or "")
+    (folder / "state.json").write_text("{cut")
+    assert verify_checkpoint(url, ("state.json",)) == "state.json: not valid JSON"
+
+
+def test_load_drafter_tells_runs_checkpoints_and_exports_apart_by_their_markers(
+    tmp_path,
+) -> None:
+    run = tmp_path / "run"
+    drafter, optimizer = _trained_a_little()
+    save_checkpoint(str(run), 2, drafter, optimizer, {}, keep=1, is_main=True)
+    # What `train` writes beside the checkpoints, and what earlier versions wrote (config.json
+    # with the run config): neither is read as a drafter.
+    (run / "run_config.json").write_text(json.dumps({"target": {"path": "t"}}))
+    (run / "config.json").write_text(json.dumps({"target": {"path": "t"}}))
+    for url in (run, step_dir(str(run), 2)):
+        loaded = load_drafter(str(url))
         assert torch.equal(loaded.fc.weight, drafter.fc.weight)
+    save_drafter(str(tmp_path / "drafter-only"), drafter)  # COMPLETE + the drafter's files
+    assert is_training_checkpoint(str(tmp_path / "drafter-only"))
+    assert torch.equal(load_drafter(str(tmp_path / "drafter-only")).fc.weight, drafter.fc.weight)
     save_dflash(drafter, str(tmp_path / "export"))
     exported = load_drafter(str(tmp_path / "export"))
     assert exported.fc.weight.dtype == torch.float32
     assert torch.equal(exported.fc.weight, drafter.fc.weight.to(torch.bfloat16).float())
+    save_speculators(drafter, str(tmp_path / "spec"), verifier="v")
+    assert torch.equal(load_drafter(str(tmp_path / "spec")).fc.weight, exported.fc.weight)
+
+    (tmp_path / "model").mkdir()  # a target model directory given by mistake
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["Qwen3"]}))
+    with pytest.raises(ValueError, match="is not a DFlash drafter's"):
+        load_drafter(str(tmp_path / "model"))
+    (run / "checkpoints" / "step_00000002" / "COMPLETE").unlink()
+    with pytest.raises(FileNotFoundError, match="has no usable checkpoint"):
+        load_drafter(str(run))
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        load_drafter(step_dir(str(run), 2))
     with pytest.raises(FileNotFoundError, match="neither a serving-format drafter"):
         load_drafter(str(tmp_path))

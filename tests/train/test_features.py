@@ -92,3 +92,16 @@ def test_the_remote_source_hands_over_what_it_receives() -> None:
     source = RemoteTarget(Receiver(), head)  # type: ignore[arg-type]
     assert source.target is None and source.head is head
     assert source.outputs(None, None) is sent  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_run_target_is_compiled_on_cuda_only(tmp_path, tiny_qwen3_dir, qwen_data, device):
+    """On CUDA the packed forward runs compiled (`parallel.compile_target`); on a CPU, and
+    for the HF model the start-up check and the eval loop call, it stays eager."""
+    args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, device=f'"{device}"')
+    config = load_run_config(None, args[1::2])
+    info = DistInfo(rank=0, world=1, local_rank=0, device=torch.device(device))
+    target = load_run_target(plan_run(config, info, resume=False), "sdpa")
+    compiled = isinstance(target.base, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled == (device == "cuda")
+    assert not isinstance(target.model.model, torch._dynamo.eval_frame.OptimizedModule)

@@ -223,3 +223,81 @@ def test_gradient_sync_defers_the_reduction_for_ddp_and_fsdp2(monkeypatch) -> No
         assert calls == [False, True]
     finally:
         dist.destroy_process_group()
+
+
+# ---- the compiled target forward (small targets are launch-bound eagerly) ----
+
+
+def _packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
+    """A packed row of 4 documents of random lengths (new boundaries every seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (1, length), generator=gen)
+    sizes = torch.randint(5, 15, (3,), generator=gen).tolist()
+    sizes.append(length - sum(sizes))
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])[None]
+    positions = torch.cat([torch.arange(n) for n in sizes])[None]
+    return ids, positions, docs
+
+
+def test_the_compiled_target_is_one_graph_with_its_hooks_for_every_row() -> None:
+    """compile_target over the packed forward: the taps' hooks are traced (same taps and
+    labels as eager), no graph break, and rows with new document boundaries reuse the graph
+    (dynamo guards on the hooks' dict being empty, which `features()` ensures)."""
+    from helpers import tiny_llama
+
+    from flashdraft.model.target import Target
+    from flashdraft.train.parallel import compile_target, target_compile_refusal
+
+    target = Target(tiny_llama(), [1, 2], "sdpa")
+    labels_at = torch.arange(40)[None]
+    eager = [target.forward_packed(*_packed_row(s), labels_at) for s in range(3)]
+    graphs: list[object] = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    assert target_compile_refusal(target) is None
+    compile_target(target, backend=counting_backend)
+    compiled = [target.forward_packed(*_packed_row(s), labels_at) for s in range(3)]
+    assert len(graphs) == 1
+    for (f1, l1), (f2, l2) in zip(eager, compiled, strict=True):
+        assert torch.equal(f1, f2) and torch.equal(l1, l2)
+    target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails, recompiles
+    target.forward_packed(*_packed_row(3), labels_at)
+    assert len(graphs) == 2
+
+
+def test_hybrid_targets_are_not_compiled() -> None:
+    from types import SimpleNamespace
+
+    from flashdraft.train.parallel import target_compile_refusal
+
+    hybrid = SimpleNamespace(
+        config=SimpleNamespace(layer_types=["linear_attention", "full_attention"]),
+        base=torch.nn.Linear(2, 2),
+    )
+    assert "hybrid" in (target_compile_refusal(hybrid) or "")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_the_compiled_flex_target_matches_the_eager_one_on_cuda(tiny_qwen3_dir) -> None:
+    """bf16, flex attention with a new BlockMask per row: the compiled forward gives the eager
+    taps (to bf16 rounding) and labels, and compiles once for rows of one length."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.model.target import Target, load_target
+    from flashdraft.train.parallel import compile_target
+
+    model = load_target(str(tiny_qwen3_dir), "bfloat16", "flex_attention", "cuda")
+    target = Target(model, [1, 3], "flex")
+    labels_at = torch.arange(200, device="cuda")[None]
+    rows = [tuple(t.cuda() for t in _packed_row(s, 256)) for s in range(3)]
+    eager = [target.forward_packed(*row, labels_at) for row in rows]
+    compile_target(target)
+    before = int(counters["stats"]["unique_graphs"])
+    compiled = [target.forward_packed(*row, labels_at) for row in rows]
+    assert int(counters["stats"]["unique_graphs"]) - before == 1
+    for (f1, l1), (f2, l2) in zip(eager, compiled, strict=True):
+        assert float((f1.float() - f2.float()).abs().max() / f1.float().abs().max()) < 2e-2
+        assert float((l1 == l2).float().mean()) > 0.95  # argmax may flip at bf16 near-ties

@@ -7,13 +7,15 @@ import json
 
 import pytest
 import torch
-from helpers import train_settings
+from helpers import tiny_drafter, train_settings
 
 from flashdraft.export import save_dflash
 from flashdraft.model.drafter import init_seeded
+from flashdraft.train.checkpoint import save_checkpoint
 from flashdraft.train.config import RunConfig, load_run_config
 from flashdraft.train.parallel import DistInfo
 from flashdraft.train.plan import (
+    CONFIG_CHANGES,
     build_drafter_config,
     initial_drafter,
     load_target_config,
@@ -39,8 +41,9 @@ def test_plan_counts_steps_and_walks_the_rows_of_each_replica(
     assert plan.total_rows == plan.stream.total_rows() >= 6
     assert list(plan.positions(0)) == [0, 1, 2, 3, 4, 5]
     assert plan.rows_left == 6 and plan.resume_from is None
-    written = json.loads((tmp_path / "run" / "config.json").read_text())
+    written = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert written == config.to_dict()  # the resolved config, next to the outputs
+    assert not (tmp_path / "run" / "config.json").exists()  # the name engines read
     assert plan.drafter_config.block_size == 8 and plan.drafter_config.num_hidden_layers == 1
 
 
@@ -49,18 +52,85 @@ def test_plan_resumes_from_the_latest_complete_checkpoint_only_when_asked(
 ) -> None:
     run = tmp_path / "run"
     config = run_config(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 5})
-    for step, complete in ((2, True), (4, False)):  # step 4 was cut mid-write
-        ckpt = run / "checkpoints" / f"step_{step:08d}"
-        ckpt.mkdir(parents=True)
-        (ckpt / "state.json").write_text(json.dumps({"step": step, "cursor": 2 * step}))
-        if complete:
-            (ckpt / "COMPLETE").write_text(f"{step}\n")
+    _checkpoint(run, 2, rows_per_step=2)
+    cut = run / "checkpoints" / "step_00000004"  # cut mid-write: no COMPLETE
+    cut.mkdir()
+    (cut / "state.json").write_text(json.dumps({"step": 4, "cursor": 8}))
     with pytest.raises(FileExistsError, match="--resume"):
         plan_run(config, ONE, resume=False)
     plan = plan_run(config, ONE, resume=True)
     assert plan.resume_from is not None and plan.resume_from.endswith("step_00000002")
     assert (plan.start_step, plan.start_cursor, plan.rows_left) == (2, 4, 3)
     assert list(plan.positions(0)) == [4, 5, 6]
+
+
+def _checkpoint(run, step: int, rows_per_step: int = 1) -> None:
+    """A real checkpoint of a tiny drafter at `step` (the plan reads only its state)."""
+    drafter = tiny_drafter()
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    state = {"cursor": step * rows_per_step, "rows_per_step": rows_per_step}
+    save_checkpoint(str(run), step, drafter, optimizer, state, keep=5, is_main=True)
+
+
+def test_a_resume_is_checked_against_the_runs_config_before_anything_is_written(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    run = tmp_path / "run"
+    config = run_config(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 5})
+    plan_run(config, ONE, resume=False)
+    _checkpoint(run, 2)
+    recorded = (run / "run_config.json").read_bytes()
+    changed = run_config(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 5, "seed": 7})
+    with pytest.raises(ValueError, match=r"seed 0 -> 7.*--allow-config-change"):
+        plan_run(changed, ONE, resume=True)
+    assert (run / "run_config.json").read_bytes() == recorded
+    assert not (run / CONFIG_CHANGES).exists()
+
+    forced = plan_run(changed, ONE, resume=True, allow_config_change=True)
+    assert forced.start_step == 2
+    assert json.loads((run / "run_config.json").read_text())["seed"] == 7
+    safe = run_config(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 6, "seed": 7})
+    plan_run(safe, ONE, resume=True)
+    history = [json.loads(x) for x in (run / CONFIG_CHANGES).read_text().splitlines()]
+    assert history == [
+        {"step": 2, "changes": {"seed": [0, 7]}, "forced": ["seed"]},
+        {"step": 2, "changes": {"optim.max_steps": [5, 6]}, "forced": []},
+    ]
+
+
+def test_a_run_of_an_earlier_version_resumes_from_its_config_json(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """Runs written before `run_config.json` kept their run config in `config.json`."""
+    run = tmp_path / "run"
+    config = run_config(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 5})
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(config.to_dict()))
+    _checkpoint(run, 2)
+    assert plan_run(config, ONE, resume=True).start_step == 2
+    changed = run_config(run, tiny_qwen3_dir, qwen_data, **{"drafter.block_size": 4})
+    with pytest.raises(ValueError, match=r"drafter\.block_size 8 -> 4"):
+        plan_run(changed, ONE, resume=True)
+
+
+def test_a_resume_skips_and_sets_aside_a_damaged_checkpoint(
+    tmp_path, tiny_qwen3_dir, qwen_data, caplog
+) -> None:
+    run = tmp_path / "run"
+    config = run_config(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 9})
+    plan_run(config, ONE, resume=False)
+    for step in (2, 4):
+        _checkpoint(run, step)
+    (run / "checkpoints" / "step_00000004" / "drafter.safetensors").write_bytes(b"")
+    plan = plan_run(config, ONE, resume=True)
+    assert plan.resume_from == str(run / "checkpoints" / "step_00000002")
+    assert plan.start_step == 2
+    assert (run / "checkpoints" / "unusable_step_00000004" / "COMPLETE").exists()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(w.startswith("skipping checkpoint") and "drafter.safetensors" in w for w in warned)
+    (run / "checkpoints" / "step_00000002" / "state.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no checkpoint of .* is usable"):
+        plan_run(config, ONE, resume=True)
 
 
 def test_plan_refuses_data_that_makes_no_step(tmp_path, tiny_qwen3_dir, qwen_data) -> None:

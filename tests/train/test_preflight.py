@@ -53,3 +53,31 @@ def test_on_the_cpu_nothing_is_refused(setup) -> None:
     config.loss.anchors = 10**6
     estimate = preflight.check(config, drafter, target, 10**6, torch.device("cpu"))
     assert estimate.total > 0
+
+
+def qwen3_6_27b_text_config():
+    """The text geometry of Qwen3.5-27B / Qwen3.6-27B (model card, research notes)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def test_a_hybrid_target_is_estimated_with_its_linear_attention_layers(setup) -> None:
+    """Qwen3.6-27B: 26.9 B parameters on the meta device; one Gated DeltaNet layer's
+    transient (~238 KB per token in bf16) outweighs the MLP's (166 KB), and is what the
+    activation term scales with."""
+    config, _, _ = setup
+    target = qwen3_6_27b_text_config()
+    drafter = DrafterConfig.from_target_config(target, mask_token_id=248070)
+    terms = preflight.estimate(config, drafter, target, 10**9).terms
+    assert terms["target weights"] == 2 * 26_895_998_464
+    per_token = preflight.linear_attention_bytes_per_token(target, 2)
+    # (1) 2 x (2 x 10240 + 3 x 6144) + (2) 4 x (2 x 6144 + 6144 + 96) + (3) 4 x 12288 + (4) 4 x 9216
+    assert per_token == 2 * 38912 + 4 * 18528 + 4 * 12288 + 4 * 9216
+    assert per_token > 2 * (3 * 17408 + 6 * 5120)
+    assert terms["target activations"] == config.data.row_tokens * per_token

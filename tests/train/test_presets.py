@@ -8,13 +8,31 @@ from pathlib import Path
 import pytest
 
 from flashdraft.train.config import load_run_config
-from flashdraft.train.presets import PRESETS, RunSource, qwen3_8b, smollm2_demo
+from flashdraft.train.presets import PRESETS, RunSource, qwen3_8b, smollm2_135m, smollm2_demo
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_the_qwen3_8b_preset_is_the_shipped_toml() -> None:
     assert qwen3_8b() == load_run_config(str(CONFIGS / "qwen3-8b.toml"))
+
+
+def test_the_smollm2_135m_preset_is_the_shipped_toml() -> None:
+    assert smollm2_135m() == load_run_config(str(CONFIGS / "smollm2-135m.toml"))
+
+
+def test_the_reference_recipe_starts_from_the_issue_values() -> None:
+    """Issue 18's starting point, before the ablations: 3 layers, B = 16, A = 512 anchors per
+    8192-token row, lr 6e-4 cosine with warmup, gamma 7, the target's argmax as labels."""
+    run = smollm2_135m(target="smol", datasets=("d",), output="o", eval_prompts="p", steps=7)
+    assert (run.drafter.num_layers, run.drafter.block_size) == (3, 16)
+    assert (run.loss.anchors, run.loss.gamma, run.loss.labels) == (512, 7.0, "target")
+    assert run.data.row_tokens == 8192
+    assert (run.optim.lr, run.optim.schedule, run.optim.max_steps) == (6e-4, "cosine", 7)
+    assert run.optim.warmup_steps > 0
+    assert (run.target.path, run.data.datasets, run.output) == ("smol", ["d"], "o")
+    assert run.eval.every > 0 and run.eval.prompts == "p"
+    assert RunSource(preset="smollm2-135m").load("optim.lr=1e-3").optim.lr == 1e-3
 
 
 def _demo_settings(cuda: bool, steps: int | None) -> list[str]:
@@ -61,7 +79,7 @@ def test_overrides_apply_on_top_of_a_preset() -> None:
 
 
 def test_a_run_source_is_a_preset_or_a_file() -> None:
-    assert set(PRESETS) == {"qwen3-8b", "smollm2-demo"}
+    assert set(PRESETS) == {"qwen3-8b", "smollm2-demo", "smollm2-135m"}
     with pytest.raises(ValueError, match="not both"):
         RunSource(preset="qwen3-8b", config="run.toml")
     with pytest.raises(ValueError, match="qwen3-8b"):

@@ -1,12 +1,15 @@
-"""The run config of `flashdraft train`: a file plus dotted overrides, every key checked."""
+"""The run config of `flashdraft train`: a file plus dotted overrides, every key checked, and
+what a resumed run may change."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 
 from flashdraft import cli
 from flashdraft import config as cfg
-from flashdraft.train.config import RunConfig, load_run_config
+from flashdraft.train.config import RunConfig, load_run_config, resume_changes, resume_safe_keys
 
 REQUIRED = ["output=x", "target.path=y", 'data.datasets=["z"]']
 
@@ -30,3 +33,50 @@ def test_defaults_and_the_settings_a_resume_may_change() -> None:
     safe = cfg.settings(config, "resume_safe")
     assert {"max_steps", "prefetch", "preflight", "keep", "tensorboard"} <= set(safe)
     assert not {"lr", "row_tokens", "seed", "anchors", "block_size"} & set(safe)
+
+
+def test_resume_safe_keys_are_told_apart_by_their_path() -> None:
+    safe = resume_safe_keys()
+    assert {"log.every", "checkpoint.every", "eval.every", "optim.max_steps", "output"} <= safe
+    assert {"parallel.placement", "parallel.target_ranks", "device", "compile"} <= safe
+    unsafe = {"seed", "data.row_tokens", "data.datasets", "drafter.block_size", "loss.gamma"}
+    assert not unsafe & safe
+    assert not {"drafter.target_layer_ids", "drafter.mask_token_id", "optim.lr"} & safe
+
+
+def test_a_resume_refuses_what_changes_the_training_and_lists_every_key() -> None:
+    before = load_run_config(None, REQUIRED).to_dict()
+    now = load_run_config(
+        None, [*REQUIRED, "drafter.block_size=4", "seed=1", "data.row_tokens=4096", "log.every=3"]
+    )
+    with pytest.raises(ValueError) as refused:
+        resume_changes(before, now, rows_per_step=(1, 1), allow=False)
+    text = str(refused.value)
+    assert "drafter.block_size 16 -> 4" in text and "seed 0 -> 1" in text
+    assert "data.row_tokens 8192 -> 4096" in text and "log.every" not in text
+    assert "--allow-config-change" in text and "\n" not in text
+    changes, forced = resume_changes(before, now, rows_per_step=(1, 1), allow=True)
+    assert changes["log.every"] == [10, 3] and changes["seed"] == [0, 1]
+    assert forced == ["data.row_tokens", "drafter.block_size", "seed"]
+
+
+def test_a_resume_may_change_what_is_safe_and_the_world_size_at_the_same_global_batch() -> None:
+    before = load_run_config(None, REQUIRED).to_dict()
+    safe = load_run_config(
+        None, [*REQUIRED, "optim.max_steps=9", "eval.every=5", "optim.grad_accum=2"]
+    )
+    # 2 replicas x 1 row before, 1 replica x 2 rows now: the same 2 rows per step.
+    changes, forced = resume_changes(before, safe, rows_per_step=(2, 2), allow=False)
+    assert set(changes) == {"optim.max_steps", "eval.every", "optim.grad_accum"} and not forced
+    assert resume_changes(
+        before, load_run_config(None, REQUIRED), rows_per_step=(1, 1), allow=False
+    ) == ({}, [])
+    with pytest.raises(ValueError, match=r"rows per step .* 1 -> 2"):
+        resume_changes(before, safe, rows_per_step=(1, 2), allow=False)
+    # A config written by an earlier version (ints for floats, keys added since): same run.
+    old = copy.deepcopy(before)
+    old["optim"]["weight_decay"] = 0  # an int where a float is read
+    del old["log"]["progress"]
+    assert resume_changes(
+        old, load_run_config(None, REQUIRED), rows_per_step=(1, 1), allow=False
+    ) == ({}, [])

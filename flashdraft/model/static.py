@@ -1,0 +1,360 @@
+"""The target's forward on a static KV cache, over its own HF submodules: no hooks, no HF
+`Cache`, no mask builders, so that a decode step has fixed shapes and fixed addresses and can
+be compiled and captured as a CUDA graph (a small target decoding eagerly is bound by kernel
+launches: SmolLM2-135M spends ~30 ms per token in HF eager, ~2.4 ms captured and compiled).
+
+Shape legend: R rows, n tokens per call, L cache slots (`max_len`), Hq / Hkv query / key-value
+heads, G = Hq / Hkv, D head dim, H hidden size, V vocabulary, K tapped layers.
+
+The cache invariant: slot j of row r holds the K/V of position j of that row. A call writes
+its tokens' K/V at their positions first, then a query at position p attends to slots
+0..p (and, on a sliding layer of window W, only to p - j < W). Whatever sits above p (rejected
+drafts, the previous prompt of that row, warm-up garbage) is invisible and is overwritten
+before any query can see it, because positions are always written in order without gaps.
+So a rewind is simply the next call at a smaller position: nothing is cropped or copied.
+
+Only the layouts whose arithmetic is reproduced here are accepted (`unsupported_reason`):
+Llama, Mistral, Qwen2 and Qwen3 style decoder layers; anything else (hybrids, Gemma-style
+extra norms, logit softcaps, FSDP-sharded layers) is refused so callers keep the HF path.
+`StaticLM.verify` checks the logits and taps against an HF forward once, at start-up.
+
+Also here, for the decode loops built on it: one CUDA graph over a function of persistent
+device state (`capture`), and graph-safe sampling whose randomness is a hash of
+(seed, position, stream), so that it needs no generator inside the graph and a request's
+tokens do not depend on which other requests share its steps (`counter_uniform`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `StaticLM` cannot run `model` (None: it can). Cheap: reads attributes only."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return f"{type(model).__name__} has no HF config"
+    text = config.get_text_config()
+    kind = getattr(text, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        return f"model type {kind!r} (static decoding knows {', '.join(SUPPORTED_MODEL_TYPES)})"
+    layer_types = getattr(text, "layer_types", None) or []
+    odd = sorted(set(layer_types) - set(LAYER_TYPES))
+    if odd:
+        return f"layer types {odd}"
+    rope = getattr(text, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        # Their tables depend on the longest position seen: a host read every step.
+        return f"rope type {rope['rope_type']!r}"
+    for name in ("logit_scale", "logits_scaling", "final_logit_softcapping"):
+        if getattr(text, name, None) not in (None, 1, 1.0):
+            return f"{name} = {getattr(text, name)}"
+    base = getattr(model, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "norm", "layers")
+    if base is None or getattr(model, "lm_head", None) is None:
+        return "no .model / .lm_head"
+    if any(getattr(base, p, None) is None for p in parts):
+        return f"the base model lacks one of {parts}"
+    for layer in base.layers:
+        attn = getattr(layer, "self_attn", None)
+        if any(getattr(layer, p, None) is None for p in _LAYER_PARTS) or any(
+            getattr(attn, p, None) is None for p in _ATTENTION_PARTS
+        ):
+            return f"a decoder layer ({type(layer).__name__}) of an unknown layout"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "sharded (DTensor) parameters"
+    return None
+
+
+def _window(layer: nn.Module, text: Any) -> int | None:
+    """The sliding window of one layer as HF applies it: Qwen2/Qwen3 attention modules carry
+    their own (None on full layers); Mistral applies `config.sliding_window` everywhere."""
+    attn: Any = layer.self_attn
+    if hasattr(attn, "sliding_window"):
+        window = attn.sliding_window
+    else:
+        window = getattr(text, "sliding_window", None)
+    return None if window is None else int(window)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StaticLM:
+    """An HF causal LM's forward with its own K/V buffers, [R, Hkv, L, D] per layer.
+
+    `lm(ids, positions)` writes the K/V of `ids` at `positions` and returns
+    (logits [R, n, V] in the model's dtype, taps [R, n, K*H] or None). The modules are the
+    model's own (referenced, not copied); nothing here is an `nn.Module`, so the model's state
+    dict is untouched.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        rows: int,
+        max_len: int,
+        tap_ids: Sequence[int] = (),
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"static decoding does not support this target: {reason}")
+        text = model.config.get_text_config()
+        base = model.model
+        self.model = model
+        self.embed, self.rotary, self.norm, self.lm_head = (
+            base.embed_tokens,
+            base.rotary_emb,
+            base.norm,
+            model.lm_head,
+        )
+        self.layers = list(base.layers)
+        bad = [i for i in tap_ids if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"tap ids {bad}: the target has {len(self.layers)} layers")
+        self.tap_ids = list(tap_ids)
+        self.windows = [_window(layer, text) for layer in self.layers]
+        attn = self.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = text.num_attention_heads, text.num_key_value_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.hidden_size = text.hidden_size
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, dtype or parameter.dtype
+        self.rows, self.max_len = rows, max_len
+        shape = (rows, self.num_kv_heads, max_len, self.head_dim)
+        self.keys = [self._zeros(shape) for _ in self.layers]
+        self.values = [self._zeros(shape) for _ in self.layers]
+        self._slots = torch.arange(max_len, device=self.device)
+
+    def _zeros(self, shape: tuple[int, ...]) -> Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+
+    def _masks(self, positions: Tensor, kv_len: int) -> dict[int | None, Tensor]:
+        """Visibility [R, 1, G*n, kv_len] (True = attend), one per distinct window: slot j is
+        visible from position p iff j <= p (and p - j < W)."""
+        slots = self._slots[:kv_len][None, None, :]
+        p = positions[:, :, None]
+        causal = slots <= p
+        r, n = positions.shape
+        g = self.num_heads // self.num_kv_heads
+        masks = {}
+        for window in set(self.windows):
+            visible = causal if window is None else causal & (p - slots < window)
+            # GQA folded into the query axis (query head h = kv * G + g, as HF's repeat_kv):
+            # the fast SDPA kernels take a mask only without enable_gqa.
+            masks[window] = (
+                visible[:, None, None].expand(r, 1, g, n, kv_len).reshape(r, 1, g * n, kv_len)
+            )
+        return masks
+
+    def _attention(
+        self,
+        i: int,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        positions: Tensor,
+        mask: Tensor,
+        rows: Tensor | None,
+        kv_len: int,
+    ) -> Tensor:
+        """x [R, n, H] normed -> attention output [R, n, H]; writes this call's K/V first."""
+        attn = self.layers[i].self_attn
+        r, n, _ = x.shape
+        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q = attn.q_proj(x).view(r, n, hq, d)
+        k = attn.k_proj(x).view(r, n, hkv, d)
+        v = attn.v_proj(x).view(r, n, hkv, d)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = rope[0][:, None], rope[1][:, None]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, h, n, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = self.keys[i], self.values[i]
+        if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
+            index = positions[:, None, :, None].expand(r, hkv, n, d)
+            keys.scatter_(2, index, k.to(keys.dtype))
+            values.scatter_(2, index, v.to(values.dtype))
+            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+        else:  # a subset of rows (prefill of new prompts into their slots)
+            keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
+            values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
+            keys, values = keys[rows, :, :kv_len], values[rows, :, :kv_len]
+        g = hq // hkv
+        out = F.scaled_dot_product_attention(
+            q.reshape(r, hkv, g * n, d), keys, values, attn_mask=mask, scale=self.scale
+        )  # [R, Hkv, G*n, D]
+        out = out.reshape(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d)
+        return attn.o_proj(out)
+
+    def __call__(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        *,
+        rows: Tensor | None = None,
+        kv_len: int | None = None,
+        logits_at: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """ids, positions [R, n] (R = rows of the cache, or len(rows) when given).
+
+        rows: write into these cache rows only (eager prefill); kv_len: attend over the
+        first kv_len slots only (every query's position must be below it); logits_at [R]:
+        logits only at that index of each row, -> [R, 1, V].
+        """
+        kv_len = kv_len or self.max_len
+        x = self.embed(ids)
+        rope = self.rotary(x, positions)  # cos, sin [R, n, D] in x's dtype
+        masks = self._masks(positions, kv_len)
+        wanted = set(self.tap_ids)
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + self._attention(i, h, rope, positions, masks[self.windows[i]], rows, kv_len)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted:
+                taps[i] = x  # the z-lab convention: the output of decoder layer i (SPEC 3)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
+        logits = self.lm_head(self.norm(x))
+        tapped = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else None
+        return logits, tapped
+
+    @torch.no_grad()
+    def verify(self, length: int = 12) -> None:
+        """Start-up check: logits and taps equal an HF forward of the same tokens (relative
+        to their scale; bf16 kernels differ in rounding only). Raises ValueError if not."""
+        length = min(length, self.max_len)
+        vocab = int(self.embed.weight.shape[0])
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (1, length), generator=generator).to(self.device)
+        positions = torch.arange(length, device=self.device)[None]
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits, taps = self(ids, positions, rows=rows, kv_len=length)
+        ref = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        pairs = [("logits", logits, ref.logits)]
+        hidden, last = self.hidden_size, len(self.layers) - 1
+        for j, i in enumerate(self.tap_ids):
+            assert taps is not None
+            tap = taps[..., j * hidden : (j + 1) * hidden]
+            # HF reports the last layer's output after the final norm (SPEC 3).
+            pairs.append(
+                (f"tap {i}", self.norm(tap) if i == last else tap, ref.hidden_states[i + 1])
+            )
+        for name, ours, theirs in pairs:
+            error = float((ours.float() - theirs.float()).abs().max())
+            scale = float(theirs.float().abs().max()) + 1e-6
+            if error > tolerance * scale:
+                raise ValueError(
+                    f"static decoding differs from the HF forward ({name}: max error "
+                    f"{error:.3g} at scale {scale:.3g}); use the HF decoder for this target"
+                )
+
+
+# ---- one CUDA graph over a function of persistent device state ----
+
+
+@contextmanager
+def preserved(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """Restore `tensors` to their current values on exit (warm-up and capture mutate state)."""
+    saved = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        for t, s in zip(tensors, saved, strict=True):
+            t.copy_(s)
+
+
+@torch.no_grad()
+def capture(fn: Callable[[], object], *, warmup: int = 2, pool: Any = None) -> Any:
+    """`fn` (no arguments: it reads and writes persistent tensors) as a `torch.cuda.CUDAGraph`
+    whose `replay()` does what `fn()` does. Warm-up runs (cuBLAS workspaces, compilation,
+    allocator) happen on a side stream first; they execute `fn`, so callers wrap this in
+    `preserved(...)` for the state they care about."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: only this thread must not touch CUDA unsafely while capturing (a trainer
+    # may have a row-prefetch thread running during an in-training eval).
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        fn()
+    return graph
+
+
+# ---- graph-safe sampling: randomness as a hash of (seed, position, stream) ----
+
+_MASK32 = 0xFFFFFFFF
+# Random streams: each position of an output draws independent noise for each purpose.
+TOKEN, DRAFT, ACCEPT = 0, 1, 2
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for 0 <= x, c < 2**32, in int64 without overflow (16-bit halves)."""
+    low, high = x & 0xFFFF, x >> 16
+    return (low * c + (((high * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash with good avalanche (Wellons' "lowbias32")."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: Tensor, counter: Tensor, stream: int, n: int) -> Tensor:
+    """Uniforms in (0, 1), [R, n] float32, a pure function of (seed [R], counter [R], stream,
+    column): no generator state, so the same inside and outside a CUDA graph and on every
+    device. 24 random bits each (the float32 mantissa)."""
+    seed = (seed ^ (seed >> 32)) & _MASK32
+    key = _hash32(seed ^ _hash32((counter * 4 + stream) & _MASK32))
+    key2 = _hash32(key ^ 0x5BD1E995)
+    columns = torch.arange(n, device=seed.device)
+    bits = _hash32(_hash32(columns[None, :] ^ key[:, None]) ^ key2[:, None])
+    return ((bits >> 8).float() + 0.5) * 2.0**-24
+
+
+def gumbel(seed: Tensor, counter: Tensor, stream: int, n: int) -> Tensor:
+    """Gumbel(0, 1) noise [R, n]: argmax(log p + G) is a sample from p (the Gumbel-max
+    trick; exact in distribution, no multinomial, no host sync)."""
+    return -torch.log(-torch.log(counter_uniform(seed, counter, stream, n)))
+
+
+def filter_logits(scores: Tensor, top_k: int, top_p: float) -> Tensor:
+    """scores [R, V] with the tokens outside top-k / the top-p nucleus set to -inf, as HF's
+    TopK and TopP warpers do (top-k first; the most likely token always stays)."""
+    if top_k > 0:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, index = scores.sort(dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        scores = scores.scatter(1, index, ordered.masked_fill(drop, float("-inf")))
+    return scores

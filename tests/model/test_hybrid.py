@@ -1,0 +1,282 @@
+"""Hybrid targets (SPEC 3, trap 11): linear-attention layers packed exactly, on tiny random
+Qwen3.5, Qwen3.5-MoE and Qwen3-Next models (layers linear, linear, linear, full)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from helpers import tiny_hybrid
+from transformers import Qwen3_5TextConfig, Qwen3Config
+
+from flashdraft.model import hybrid
+from flashdraft.model.target import Target, decoder_layers, pack_documents
+
+KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+LENGTHS = [[37, 50, 11], [90, 20], [1, 2, 3, 100]]  # row 1 ends in padding; 1-token docs
+ROW = 112
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+    return tiny_hybrid(request.param)
+
+
+def packed_batch(
+    vocab: int,
+) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    docs = [[torch.randint(0, vocab, (n,), generator=gen) for n in row] for row in LENGTHS]
+    rows = [pack_documents(row, ROW - sum(len(d) for d in row)) for row in docs]
+    ids, positions, doc_ids = (torch.cat(parts) for parts in zip(*rows, strict=True))
+    return docs, ids, positions, doc_ids
+
+
+def every_tap(model, **kwargs) -> Target:
+    return Target(model, list(range(len(decoder_layers(model)))), "sdpa", **kwargs)
+
+
+def assert_packed_equals_alone(target: Target, rtol: float) -> None:
+    """Every layer's output (linear and full) and the labels, per document."""
+    vocab = target.head.vocab_size
+    docs, ids, positions, doc_ids = packed_batch(vocab)
+    every = torch.arange(ROW).expand(len(docs), ROW)
+    features, labels = target.forward_packed(ids, positions, doc_ids, every)
+    assert labels is not None
+    hidden = target.config.hidden_size
+    for r, row in enumerate(docs):
+        start = 0
+        for doc in row:
+            with torch.inference_mode():
+                logits = target.model(input_ids=doc[None], use_cache=False).logits
+            alone = target.taps.features()
+            got = features[r : r + 1, start : start + len(doc)]
+            for layer in range(target.num_layers):
+                cut = slice(layer * hidden, (layer + 1) * hidden)
+                scale = float(alone[..., cut].abs().max())
+                diff = float((got[..., cut] - alone[..., cut]).abs().max())
+                assert diff <= rtol * scale, (r, len(doc), layer, diff, scale)
+            assert torch.equal(labels[r, start : start + len(doc)], logits[0].argmax(-1))
+            start += len(doc)
+
+
+@pytest.mark.parametrize("path", ["per-document", "reference kernels"])
+def test_packed_rows_equal_documents_alone_for_every_layer_type(model, path) -> None:
+    kernels = hybrid.REFERENCE_KERNELS if path == "reference kernels" else "per-document"
+    target = every_tap(model, linear_kernels=kernels)
+    try:
+        assert_packed_equals_alone(target, rtol=1e-5)
+    finally:
+        target.taps.remove()
+        assert target.linear is not None
+        target.linear.remove()
+
+
+def test_a_mask_alone_leaks_across_documents(model, monkeypatch) -> None:
+    """The test above can fail: without the linear layers' restart, documents leak."""
+    target = every_tap(model, linear_kernels="per-document")
+    assert target.linear is not None
+    monkeypatch.setattr(target.linear, "packed", lambda doc_ids: contextlib.nullcontext())
+    try:
+        with pytest.raises(AssertionError):
+            assert_packed_equals_alone(target, rtol=1e-2)
+    finally:
+        target.taps.remove()
+        target.linear.remove()
+
+
+def test_the_startup_check_refuses_a_leaking_packing(model, monkeypatch) -> None:
+    target = Target(model, [0, 2], "sdpa", linear_kernels="per-document")
+    assert target.linear is not None
+    target.verify_taps()  # the exact path passes, packing check included
+    monkeypatch.setattr(target.linear, "packed", lambda doc_ids: contextlib.nullcontext())
+    with pytest.raises(ValueError, match="leak into each other through the linear-attention"):
+        target.verify_taps()
+    target.taps.remove()
+    target.linear.remove()
+
+
+def test_on_the_cpu_the_fallback_is_taken_and_announced(capsys) -> None:
+    model = tiny_hybrid("qwen3_5")
+    assert hybrid.choose_kernels(torch.device("cpu"))[0] is None
+    target = Target(model, [1, 2], "sdpa")
+    assert target.linear is not None and target.linear.kernels is None
+    out = capsys.readouterr().out
+    assert out.count("per-document fallback") == 1
+    assert "3 of 4 target layers are linear attention" in out
+    # Outside a packed forward the layers are the model's own: nothing is wrapped for decode.
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        wrapped = model(input_ids=ids).logits
+        target.linear.remove()
+        plain = model(input_ids=ids).logits
+    assert torch.equal(wrapped, plain)
+    target.taps.remove()
+
+
+def install_fake_fla(monkeypatch, version: str = "0.6.0") -> None:
+    """An `fla` package with fla-core 0.6's signatures (B = 1, cu_seqlens, tuple returns)
+    computed by the torch reference: checks how flashdraft calls fla, without a GPU."""
+
+    def segments(x: torch.Tensor, cu: torch.Tensor, cu_cpu: torch.Tensor) -> hybrid.Segments:
+        assert x.shape[0] == 1, "fla's varlen kernels take one flattened sequence"
+        assert torch.equal(cu.cpu(), cu_cpu) and int(cu_cpu[-1]) == x.shape[1]
+        return hybrid.Segments(cu, cu_cpu, 1, x.shape[1])
+
+    def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
+                      output_final_state=False, activation=None, backend="triton",
+                      cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):  # fmt: skip
+        assert bias is None and initial_state is None and weight.shape == (x.shape[-1], 4)
+        seg = segments(x, cu_seqlens, cu_seqlens_cpu)
+        return hybrid.REFERENCE_KERNELS.conv(x, weight, activation, seg), None
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                               cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):  # fmt: skip
+        assert use_qk_l2norm_in_kernel and initial_state is None and scale is None
+        assert g.dtype == torch.float32 and v.shape[2] % q.shape[2] == 0  # grouped value heads
+        seg = segments(q, cu_seqlens, cu_seqlens_cpu)
+        return hybrid.REFERENCE_KERNELS.rule(q, k, v, g, beta, seg), None
+
+    modules = {name: types.ModuleType(name) for name in FLA_MODULES}
+    modules["fla"].__version__ = version  # type: ignore[attr-defined]
+    modules["fla.modules.causal_conv1d"].causal_conv1d = causal_conv1d  # type: ignore[attr-defined]
+    modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk_gated_delta_rule  # type: ignore[attr-defined]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+FLA_MODULES = ["fla", "fla.modules", "fla.modules.causal_conv1d", "fla.ops",
+               "fla.ops.gated_delta_rule"]  # fmt: skip
+
+
+def test_on_cuda_fla_is_chosen_and_called_as_its_api_says(model, monkeypatch) -> None:
+    install_fake_fla(monkeypatch)
+    kernels, _ = hybrid.choose_kernels(torch.device("cuda"))
+    assert kernels is not None and kernels.name == "fla 0.6.0"
+    target = every_tap(model, linear_kernels=kernels)
+    try:
+        assert_packed_equals_alone(target, rtol=1e-5)
+    finally:
+        target.taps.remove()
+        assert target.linear is not None
+        target.linear.remove()
+    install_fake_fla(monkeypatch, version="0.4.0")
+    kernels, why = hybrid.choose_kernels(torch.device("cuda"))
+    assert kernels is None and "needs fla-core >= 0.5" in why
+
+
+def test_layer_types_and_unsupported_recurrent_layers() -> None:
+    config = Qwen3_5TextConfig(num_hidden_layers=8)
+    assert hybrid.is_hybrid(config)
+    assert hybrid.linear_layer_ids(config) == [0, 1, 2, 4, 5, 6]
+    dense = Qwen3Config(num_hidden_layers=4)
+    assert not hybrid.is_hybrid(dense) and hybrid.linear_layer_ids(dense) == []
+    model = tiny_hybrid("qwen3_5")
+    model.config.layer_types = ["mamba", "linear_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"\['mamba'\] keep a recurrent state"):
+        hybrid.gated_delta_nets(decoder_layers(model), model.config)
+
+
+def test_segments_restart_at_every_document_and_row() -> None:
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 2, 2]])
+    segments = hybrid.Segments.of(doc_ids)
+    assert segments.cu_seqlens.tolist() == [0, 3, 5, 6, 7, 10, 12]
+    assert list(segments.spans()) == [
+        (0, 0, 3),
+        (0, 3, 5),
+        (0, 5, 6),
+        (1, 0, 1),
+        (1, 1, 4),
+        (1, 4, 6),
+    ]
+    # A document that continues across the row end is still cut there.
+    assert hybrid.Segments.of(torch.tensor([[4, 4], [4, 4]])).cu_seqlens.tolist() == [0, 2, 4]
+
+
+def test_delta_rule_flops_of_the_27b_geometry() -> None:
+    """Qwen3.5/3.6-27B: 48 linear layers, 48 value heads of 128 x 128, chunk 64:
+    48 * 48 * (6 * 128 * 128 + 64 * (3 * 128 + 2 * 128)) = 320.9 MFLOP per token."""
+    config = Qwen3_5TextConfig(
+        hidden_size=5120, num_hidden_layers=64, linear_num_value_heads=48,
+        linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+    )  # fmt: skip
+    assert hybrid.delta_rule_flops_per_token(config) == 48 * 48 * (98304 + 64 * 640)
+    assert hybrid.delta_rule_flops_per_token(Qwen3Config()) == 0.0
+
+
+def test_flops_count_attention_only_in_attention_layers() -> None:
+    model = tiny_hybrid("qwen3_5")
+    target = Target(model, [1], "sdpa", linear_kernels="per-document")
+    text = model.config
+    params = sum(p.numel() for p in model.model.parameters()) - text.vocab_size * 64
+    attention = 4 * 1 * 4 * 32 * 1000 / 2  # one full layer, 4 heads of 32, half of 1000 keys
+    expected = 2 * params + attention + hybrid.delta_rule_flops_per_token(text)
+    assert target.flops_per_token(1000) == pytest.approx(expected)
+    target.taps.remove()
+
+
+def test_rollback_puts_a_hybrid_cache_back_exactly(model) -> None:
+    """Prefill, feed 5 tokens, take them back, feed 2: as if only the 2 were ever fed."""
+    prompt, extra = torch.tensor([[7, 3, 9, 1, 4, 4]]), torch.tensor([[5, 8, 2, 6, 1]])
+    with torch.inference_mode():
+        cache = hybrid.decode_cache(model)
+        model(input_ids=prompt, cache=cache, use_cache=True)
+        rollback = hybrid.LinearStateRollback(cache)
+        saved = rollback.save()
+        model(input_ids=extra, cache=cache, use_cache=True)
+        rollback.rewind(saved, 5)
+        assert cache.get_seq_length() == 6
+        got = model(input_ids=extra[:, :2], cache=cache, use_cache=True).logits
+        full = model(input_ids=torch.cat([prompt, extra[:, :2]], 1), use_cache=False).logits
+    torch.testing.assert_close(got, full[:, -2:], rtol=1e-4, atol=1e-4)
+    # Without the rollback the states have absorbed the 5 tokens: a different continuation.
+    with torch.inference_mode():
+        model(input_ids=extra[:, 2:], cache=cache, use_cache=True)
+        drifted = model(input_ids=extra[:, :1], cache=cache, use_cache=True).logits
+        fresh = model(input_ids=torch.cat([prompt, extra[:, :1]], 1), use_cache=False).logits
+    assert not torch.allclose(drifted[:, -1], fresh[:, -1], atol=1e-2)
+
+
+# ---- GPU: fla's varlen kernels against the per-document fallback (bf16) ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
+    kernels, why = hybrid.fla_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
+    docs, ids, positions, doc_ids = packed_batch(model.config.vocab_size)
+    ids, positions, doc_ids = ids.cuda(), positions.cuda(), doc_ids.cuda()
+    outputs = []
+    for choice in (kernels, "per-document"):
+        target = every_tap(model, linear_kernels=choice)
+        outputs.append(target.forward_packed(ids, positions, doc_ids, None)[0])
+        if choice == "per-document":
+            target.verify_taps()  # the start-up check passes in bf16
+        target.taps.remove()
+        assert target.linear is not None
+        target.linear.remove()
+    fla, per_doc = outputs
+    for r, row in enumerate(docs):
+        real = sum(len(d) for d in row)
+        a, b = fla[r, :real].float(), per_doc[r, :real].float()
+        assert float((a - b).norm() / b.norm()) < 2e-2, (kind, r)
+
+
+@pytest.mark.gpu
+def test_fla_target_passes_the_startup_check_on_cuda() -> None:
+    kernels, why = hybrid.fla_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    model = tiny_hybrid("qwen3_5").to("cuda", torch.bfloat16)
+    target = Target(model, [0, 1, 3], "sdpa")  # "auto": fla on CUDA
+    assert target.linear is not None and target.linear.kernels is not None
+    target.verify_taps()
+    target.taps.remove()
+    target.linear.remove()

@@ -1,0 +1,268 @@
+"""The static-cache forward against HF's own: greedy decoding, rewinds, taps, refusals, and the
+graph-safe sampling helpers (CPU, fp32, tiny random targets of each supported layout)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import tiny_llama
+
+from flashdraft.model.static import (
+    StaticLM,
+    capture,
+    counter_uniform,
+    filter_logits,
+    gumbel,
+    preserved,
+    unsupported_reason,
+)
+
+PROMPT = [5, 17, 3, 42, 8, 11, 29, 2, 60]
+
+
+def tiny_target(kind: str) -> torch.nn.Module:
+    """Tiny random targets whose greedy paths vary (weights larger than the default init)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if kind == "llama":
+        return tiny_llama(initializer_range=0.3)
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if kind == "mistral":  # a window on every layer
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=6))
+    else:  # qwen3; "qwen3-sliding": the last two layers slide over 5 positions
+        sliding = dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)
+        extra = sliding if kind == "qwen3-sliding" else {}
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, **extra))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return model.eval().requires_grad_(False)
+
+
+KINDS = ["llama", "qwen3", "qwen3-sliding", "mistral"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def target(request) -> torch.nn.Module:
+    return tiny_target(request.param)
+
+
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def test_one_token_steps_equal_hf_generate_and_taps_equal_hidden_states(target) -> None:
+    if "sliding" in str(getattr(target.config, "layer_types", "")):
+        assert target.config.layer_types[-1] == "sliding_attention"
+    reference = hf_greedy(target, PROMPT, 24)  # 33 positions: windows of 5 and 6 are crossed
+    lm = StaticLM(target, 1, 64, [0, 2, 3])
+    lm.verify()
+    logits, taps = lm(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < 24:
+        position = len(PROMPT) + len(out) - 1
+        logits, _ = lm(torch.tensor([[out[-1]]]), torch.tensor([[position]]))
+        out.append(int(logits[0, -1].argmax()))
+    assert out == reference
+    hidden = target(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    assert taps is not None and taps.shape == (1, len(PROMPT), 3 * 64)
+    assert relative_error(taps[..., :64], hidden[1]) < 1e-5  # id i = output of layer i
+    assert relative_error(taps[..., 64:128], hidden[3]) < 1e-5
+    assert relative_error(lm.norm(taps[..., 128:]), hidden[4]) < 1e-5  # last: HF norms it
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@torch.no_grad()
+def test_verify_blocks_with_rejections_rewind_by_position(target) -> None:
+    """Speculative-style steps: B tokens per call, noisy drafts; the next call simply starts
+    at the first rejected position (nothing is cropped) and the output stays greedy."""
+    block, new = 5, 40
+    reference = hf_greedy(target, PROMPT, new + block)
+    rng = random.Random(0)
+    lm = StaticLM(target, 1, 128)
+    logits, _ = lm(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
+    out, accepted_counts = [int(logits[0, -1].argmax())], []
+    while len(out) < new:
+        start = len(PROMPT) + len(out) - 1
+        k = len(out)
+        drafts = [reference[k + j] if rng.random() < 0.7 else rng.randrange(64) for j in range(4)]
+        logits, _ = lm(torch.tensor([[out[-1], *drafts]]), torch.arange(start, start + block)[None])
+        choice = logits[0].argmax(-1).tolist()
+        accepted = 0
+        while accepted < block - 1 and drafts[accepted] == choice[accepted]:
+            accepted += 1
+        accepted_counts.append(accepted)
+        out += [*drafts[:accepted], choice[accepted]]
+    assert out[:new] == reference[:new]
+    assert 0 in accepted_counts and max(accepted_counts) >= 2  # rejections and acceptance
+
+
+@torch.no_grad()
+def test_rows_at_different_positions_and_subset_prefill() -> None:
+    """Two rows, prefilled one at a time into their own cache rows, then decoded together at
+    different positions: each equals its prompt decoded alone."""
+    target = tiny_target("qwen3")
+    prompts = [PROMPT, PROMPT[:4]]
+    references = [hf_greedy(target, p, 6) for p in prompts]
+    lm = StaticLM(target, 2, 32)
+    tokens = []
+    for row, prompt in enumerate(prompts):
+        n = len(prompt)
+        logits, _ = lm(
+            torch.tensor([prompt]),
+            torch.arange(n)[None],
+            rows=torch.tensor([row]),
+            kv_len=n,
+            logits_at=torch.tensor([n - 1]),
+        )
+        assert logits.shape[:2] == (1, 1)
+        tokens.append([int(logits[0, 0].argmax())])
+    for _ in range(5):
+        ids = torch.tensor([[t[-1]] for t in tokens])
+        positions = torch.tensor(
+            [[len(p) + len(t) - 1] for p, t in zip(prompts, tokens, strict=True)]
+        )
+        logits, _ = lm(ids, positions, kv_len=16)
+        for t, row in zip(tokens, logits[:, 0].argmax(-1).tolist(), strict=True):
+            t.append(row)
+    assert tokens == references
+
+
+def test_unsupported_targets_are_refused_with_the_reason() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "gpt2" in (unsupported_reason(gpt2) or "")
+    with pytest.raises(ValueError, match="static decoding does not support this target"):
+        StaticLM(gpt2, 1, 8)
+    dynamic = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    assert "dynamic" in (unsupported_reason(LlamaForCausalLM(dynamic)) or "")
+    assert unsupported_reason(tiny_llama()) is None
+
+
+def test_verify_catches_a_forward_that_differs_from_hf() -> None:
+    lm = StaticLM(tiny_target("llama"), 1, 16)
+    lm.verify()
+    lm.scale *= 2  # as if the attention scaling had been read wrong
+    with pytest.raises(ValueError, match="differs from the HF forward"):
+        lm.verify()
+
+
+def test_the_forward_compiles_as_one_graph() -> None:
+    """torch.compile(fullgraph=True) traces it without a break (aot_eager: the tracing, fast)."""
+    target = tiny_target("qwen3-sliding")
+    lm = StaticLM(target, 1, 32, [1])
+    compiled = torch.compile(lm.__call__, backend="aot_eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        lm(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
+        eager = lm(torch.tensor([[4]]), torch.tensor([[len(PROMPT)]]))
+        traced = compiled(torch.tensor([[4]]), torch.tensor([[len(PROMPT)]]))
+    torch.testing.assert_close(traced[0], eager[0])
+    torch.testing.assert_close(traced[1], eager[1])
+
+
+# ---- graph-safe sampling ----
+
+
+def test_counter_uniforms_are_uniform_deterministic_and_keyed() -> None:
+    seed, counter = torch.tensor([7, 7, 8]), torch.tensor([3, 4, 3])
+    u = counter_uniform(seed, counter, 0, 50_000)
+    assert torch.equal(u, counter_uniform(seed, counter, 0, 50_000))  # a pure function
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    counts = torch.histc(u[0], bins=20, min=0, max=1)
+    expected = u.shape[1] / 20
+    assert float(((counts - expected) ** 2 / expected).sum()) < 50  # chi-square, 19 dof
+    # another counter, seed or stream: unrelated numbers
+    other = [u[1], u[2], counter_uniform(seed, counter, 1, 50_000)[0]]
+    for v in other:
+        assert abs(float(torch.corrcoef(torch.stack([u[0], v]))[0, 1])) < 0.02
+        assert float((u[0] == v).float().mean()) < 1e-3
+
+
+def test_gumbel_max_samples_the_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    draws = 20_000
+    counters = torch.arange(draws)
+    noise = gumbel(torch.full((draws,), 3), counters, 0, 5)
+    picks = (logits + noise).argmax(-1)
+    freq = torch.bincount(picks, minlength=5).float() / draws
+    torch.testing.assert_close(freq, logits.softmax(-1)[0], atol=0.012, rtol=0)
+
+
+def test_filter_logits_matches_hf_top_k_and_top_p() -> None:
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for top_k, top_p in [(5, 1.0), (0, 0.7), (10, 0.5), (0, 1.0)]:
+        expected = scores.clone()
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        assert torch.equal(filter_logits(scores, top_k, top_p).isinf(), expected.isinf())
+
+
+def test_preserved_restores_state() -> None:
+    state = torch.arange(4)
+    with preserved([state]):
+        state.add_(10)
+    assert state.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.gpu
+def test_a_captured_decode_step_equals_the_eager_one() -> None:
+    target = tiny_target("qwen3-sliding").cuda()
+    reference = hf_greedy(target, PROMPT, 20)
+    lm = StaticLM(target, 1, 64)
+    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    position = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    out_buffer = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def step() -> None:
+        logits, _ = lm(token, position)
+        out_buffer.copy_(logits[0, -1].argmax().view(1))
+
+    with torch.no_grad():
+        graph = capture(step)
+        logits, _ = lm(torch.tensor([PROMPT], device="cuda"), torch.arange(9, device="cuda")[None])
+        out = [int(logits[0, -1].argmax())]
+        while len(out) < 20:
+            token.fill_(out[-1])
+            position.fill_(len(PROMPT) + len(out) - 1)
+            graph.replay()
+            out.append(int(out_buffer))
+    assert out == reference

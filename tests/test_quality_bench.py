@@ -1,0 +1,200 @@
+"""bench/quality.py: the report writer, the staged training supervisor, and (slow) the whole
+pipeline in its CPU smoke size."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quality() -> ModuleType:
+    """bench/quality.py as a module; it imports bench/quality_report.py as a script does."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module("quality")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.fixture(scope="module")
+def report(quality: ModuleType) -> ModuleType:
+    return sys.modules["quality_report"]
+
+
+def _eval_report(tau: float, acc: list[float], **extra: object) -> dict:
+    return {
+        "tau": tau,
+        "num_prompts": 8,
+        "per_position_acceptance": acc,
+        "lossless_prompts": 7,
+        "near_tie_prompts": 1,
+        "unexplained_mismatch_prompts": 0,
+        **extra,
+    }
+
+
+def _synthetic_run(out: Path) -> None:
+    """A finished run: metrics of 10 logged intervals (evals at steps 50 and 100), two
+    held-out reports, the split and the stage markers."""
+    run = out / "runs" / "r"
+    (run / "eval").mkdir(parents=True)
+    lines = []
+    for step in range(10, 101, 10):
+        record = {"step": step, "loss": 5.0 - step / 50, "tau_hat": 1 + step / 100, "tokens": 81920}
+        if step in (50, 100):
+            record["eval_tau"] = 1.5 if step == 50 else 2.25
+        lines.append(json.dumps(record))
+    # Step 30 logged before a crash, then again by the resumed run: the later line counts.
+    lines.insert(2, json.dumps({"step": 30, "loss": 9.0, "tau_hat": 9.0, "tokens": 1}))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    zlab = {"tau": 2.4, "steps": 10}
+    (run / "eval" / "chat.json").write_text(
+        json.dumps(_eval_report(2.5, [0.6, 0.4, 0.2], speedup=1.8, zlab_reference=zlab))
+    )
+    (run / "eval" / "humaneval.json").write_text(json.dumps(_eval_report(3.75, [0.8] * 15)))
+    (out / "stages").mkdir()
+    (out / "stages" / "train-r.json").write_text(json.dumps({"finished": True, "seconds": 612.0}))
+    sampling = {"temperature": 0.0, "max_new_tokens": 256}
+    (out / "stages" / "generate-greedy.json").write_text(
+        json.dumps({"settings": {"prompts": 1000, "sampling": sampling, "seed": 0}, "seconds": 9})
+    )
+    (out / "prompts").mkdir()
+    counts = {"sources": 10, "held_out_sources": 2, "train_prompts": 30, "held_out_prompts": 6}
+    (out / "prompts" / "split.json").write_text(
+        json.dumps({"settings": {"seed": 3}, "counts": {"chat": counts}})
+    )
+
+
+def test_the_report_holds_the_measured_table_and_the_curve(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    _synthetic_run(tmp_path / "out")
+    env = {"date": "2026-12-01", "commit": "abc1234", "torch": "2", "transformers": "5",
+           "python": "3.11", "gpu": "NVIDIA H200"}  # fmt: skip
+    md, png, summary = report.write_quality_report(
+        tmp_path / "out", "r", tmp_path / "bench", env, "python bench/quality.py all"
+    )
+    assert md.name == "quality_h200_20261201_r.md" and png.name == "quality_h200_20261201_r.png"
+    assert png.read_bytes().startswith(b"\x89PNG")
+    text = md.read_text()
+    assert "| tau, chat | 2.500 (8 prompts) | ≥ 3.0 |" in text
+    assert "| tau, code: HumanEval | 3.750 (8 prompts) | ≥ 3.5 |" in text
+    assert "| tau, code: mined Python | not measured | — |" in text
+    assert "chat 1.80x, humaneval n/a (CPU)" in text
+    assert "chat 0.960" in text  # z-lab 2.4 / ours 2.5
+    assert "| chat | 0.60 | 0.40 | 0.20 |" in text and "7/8 +1 ties" in text
+    assert "100 steps, 0.8M packed-row tokens, 612 s" in text
+    assert "0.4M: 1.50, 0.8M: 2.25" in text  # the eval curve by cumulative tokens
+    assert "seed 3" in text and "chat 30 / 6 (2 of 10 sources held out)" in text
+    assert f"]({png.name})" in text
+    evals, estimates = report.tau_curve(summary["metrics"])
+    assert evals == [(409600, 1.5), (819200, 2.25)]
+    assert len(estimates) == 10 and estimates[2] == (245760, 1.3)  # the resumed step 30 wins
+
+
+def test_a_report_before_anything_ran_says_so(report: ModuleType, tmp_path: Path) -> None:
+    env = {"date": "2026-12-01", "commit": "x", "torch": "2", "transformers": "5",
+           "python": "3.11", "cpu": "x86_64", "threads": 2}  # fmt: skip
+    md, png, _ = report.write_quality_report(tmp_path / "o", "reference", tmp_path, env, "cmd")
+    assert md.name == "quality_cpu_20261201.md" and png.stat().st_size > 0
+    assert md.read_text().count("not measured") >= 3 and "Training: not run." in md.read_text()
+
+
+def test_prompt_subsets_carry_their_pass_in_the_id(quality: ModuleType, tmp_path: Path) -> None:
+    source = tmp_path / "train.jsonl"
+    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(5)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    quality.write_prompt_subset(source, tmp_path / "s.jsonl", 3, "~sample1")
+    subset = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in subset] == ["p0~sample1", "p1~sample1", "p2~sample1"]
+    chat, code = tmp_path / "chat.jsonl", tmp_path / "code.jsonl"
+    chat.write_text("c1\nc2\nc3\n")
+    code.write_text("h1\nh2\n")
+    quality.write_mixed_eval(chat, code, tmp_path / "mixed.jsonl")
+    assert (tmp_path / "mixed.jsonl").read_text() == "c1\nh1\nc2\nh2\n"
+
+
+def test_smoke_sizes_and_repeated_overrides(quality: ModuleType) -> None:
+    stage, config, overrides = quality.parse(
+        ["train", "--smoke", "--run", "l5", "--set", "drafter.num_layers=5", "--set", "seed=1"]
+    )
+    assert (stage, config.run, config.device, config.steps) == ("train", "l5", "cpu", 6)
+    assert overrides == ["drafter.num_layers=5", "seed=1"]
+    with pytest.raises(SystemExit):
+        quality.parse(["nope"])
+
+
+FAKE_TRAIN = """
+import json, pathlib, sys, time
+run = pathlib.Path(sys.argv[1])
+run.mkdir(exist_ok=True)
+time.sleep(1.5)  # start-up: not a step
+for step in range(1, int(sys.argv[2]) + 1):
+    time.sleep(0.4)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "step_s": 0.4}) + "\\n")
+    done = run / "checkpoints" / f"step_{step:08d}"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / "COMPLETE").write_text("")
+(run / "export").mkdir(exist_ok=True)
+(run / "export" / "config.json").write_text("{}")
+sys.exit(int(sys.argv[3]))
+"""
+
+
+def test_training_stops_just_after_a_checkpoint_at_the_deadline(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    script = tmp_path / "fake_train.py"
+    script.write_text(textwrap.dedent(FAKE_TRAIN))
+    run = tmp_path / "run"
+
+    def supervise(steps: int, budget: float | None, code: int = 0) -> bool:
+        command = [sys.executable, str(script), str(run), str(steps), str(code)]
+        finished: bool = quality.supervise(command, tmp_path / "log", run, budget, margin=0.5)
+        return finished
+
+    started = time.monotonic()
+    assert supervise(100, budget=4.0) is False
+    assert time.monotonic() - started < 5.0
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert 3 <= len(steps) <= 9 and not (run / "export").exists()
+    # It stopped right after a checkpoint: no step was lost.
+    assert time.time() - (run / "checkpoints" / steps[-1]).stat().st_mtime < 1.5
+    assert supervise(2, budget=None) is True  # the rest of the run, to its export
+    with pytest.raises(RuntimeError, match="exited 3"):
+        supervise(0, budget=None, code=3)
+
+
+@pytest.mark.slow
+def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
+    """build-prompts -> generate -> prepare -> train -> eval -> report on the real SmolLM2
+    target, tiny sizes, on the CPU; a second call finds every stage done."""
+    out = tmp_path / "q"
+    command = [sys.executable, str(ROOT / "bench" / "quality.py"), "all", "--smoke"]
+    command += ["--output", str(out)]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    result = json.loads(first.stdout.strip().splitlines()[-1])
+    assert result["complete"] is True and set(result["tau"]) == {"chat", "humaneval", "code"}
+    assert all(tau >= 1.0 for tau in result["tau"].values())
+    (md,) = out.glob("quality_cpu_*.md")
+    assert "| tau, chat |" in md.read_text() and "Training (finished)" in md.read_text()
+    metrics = [json.loads(line) for line in (out / "runs/reference/metrics.jsonl").open()]
+    assert [r["step"] for r in metrics if "eval_tau" in r] == [3, 6]
+    split = json.loads((out / "prompts" / "split.json").read_text())
+    assert split["counts"]["chat"]["train_prompts"] == 40
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0 and "eval chat" not in again.stdout  # nothing redone
+    assert json.loads(again.stdout.strip().splitlines()[-1])["tau"] == result["tau"]
