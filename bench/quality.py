@@ -140,6 +140,16 @@ class QualityConfig:
         None, help="where the .md and .png go (default: benchmarks/; with --smoke: OUT)"
     )
     smoke: bool = option(False, help="tiny sizes on the CPU (~2 minutes)")
+    gpus: int = option(
+        1,
+        ge=1,
+        help="GPUs to use: the generation passes run side by side, one process per GPU, and "
+        "training is data parallel over them (torchrun; each GPU takes one row per step, so "
+        "a step holds `gpus` rows)",
+    )
+    only_pass: str | None = option(
+        None, help="generate this pass only (greedy, sample1, ...): how --gpus runs them apart"
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)
@@ -157,8 +167,11 @@ def _count_lines(path: Path) -> int:
 class Pipeline:
     """The stages over one output directory; markers in OUT/stages/ say what is done."""
 
-    def __init__(self, config: QualityConfig, overrides: list[str]) -> None:
+    def __init__(
+        self, config: QualityConfig, overrides: list[str], argv: list[str] | None = None
+    ) -> None:
         self.config, self.overrides = config, overrides
+        self.argv = list(sys.argv[1:] if argv is None else argv)
         self.out = Path(config.output).resolve()
         self.started = time.monotonic()
         cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -244,7 +257,12 @@ class Pipeline:
         train = self.out / "prompts" / TRAIN_FILE
         available = _count_lines(train)
         n = available if self.config.prompts is None else min(self.config.prompts, available)
-        for name, sampling, seed in self.passes():
+        passes = self.passes()
+        if self.config.only_pass is not None:
+            passes = [p for p in passes if p[0] == self.config.only_pass]
+        elif self.config.gpus > 1 and len(passes) > 1:
+            return self.generate_apart([name for name, _, _ in passes], n)
+        for name, sampling, seed in passes:
             settings = {"prompts": n, "sampling": cfg.to_dict(sampling), "seed": seed}
             marker = self.marker(f"generate-{name}")
             if marker is not None and marker["settings"] == settings and marker.get("complete"):
@@ -276,6 +294,36 @@ class Pipeline:
                 _free_memory()
             self.save_marker(f"generate-{name}", settings, complete=True, seconds=round(seconds, 1))
         return True
+
+    def generate_apart(self, names: list[str], n: int) -> bool:
+        """The passes side by side, one `generate --only-pass` process per GPU (in waves of
+        --gpus), each under what is left of the deadline; True when all are complete."""
+        # The target converted once here, not by each process at the same time.
+        argv = [a for a in self.argv if a not in STAGES and a != "all"]
+        argv += ["--target", self.target]
+        for first in range(0, len(names), self.config.gpus):
+            left = self.remaining()
+            extra = [] if left is None else ["--deadline", f"{max(left, 1.0):.0f}"]
+            procs = []
+            for gpu, name in enumerate(names[first : first + self.config.gpus]):
+                log_path = self.out / "gen" / f"{name}.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                command = [sys.executable, str(Path(__file__).resolve()), "generate", *argv,
+                           "--only-pass", name, "--gpus", "1", *extra]  # fmt: skip
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+                with open(log_path, "ab") as sink:
+                    procs.append((name, log_path, subprocess.Popen(
+                        command, stdout=sink, stderr=subprocess.STDOUT, env=env)))  # fmt: skip
+            for name, log_path, process in procs:
+                if process.wait() != 0:
+                    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+                    raise RuntimeError(
+                        f"generate {name} exited {process.returncode}; {log_path}:\n"
+                        + "\n".join(tail)
+                    )
+                log.info(f"generate {name}: " + _last_line(log_path, "tok/s"))
+        settings_ok = [self.marker(f"generate-{name}") for name in names]
+        return all(m is not None and m.get("complete") for m in settings_ok)
 
     def _generate_config(
         self, prompts: Path, name: str, sampling: Sampling, seed: int, limit: int
@@ -354,7 +402,11 @@ class Pipeline:
         self.save_marker(name, settings, finished=False, seconds=seconds)
         config_file = self.out / "runs" / f"{self.config.run}.run.json"
         storage.write_json_atomic(str(config_file), run.to_dict())
-        command = [sys.executable, "-m", "flashdraft.cli", "train", "--config", str(config_file)]
+        launcher = [sys.executable]
+        if self.config.gpus > 1:  # on the CPU too (gloo): how the tests run it
+            launcher += ["-m", "torch.distributed.run", "--standalone",
+                         f"--nproc-per-node={self.config.gpus}"]  # fmt: skip
+        command = [*launcher, "-m", "flashdraft.cli", "train", "--config", str(config_file)]
         if complete_checkpoints(str(self.run_dir)):
             command.append("--resume")
         started = time.perf_counter()
@@ -427,6 +479,12 @@ def write_prompt_subset(source: Path, out: Path, n: int, id_suffix: str) -> None
             record["id"] += id_suffix
             buffer.write(json.dumps(record, ensure_ascii=False) + "\n")
     storage.write_text_atomic(str(out), buffer.getvalue())
+
+
+def _last_line(path: Path, needle: str) -> str:
+    """The last line of a log that holds `needle` ('' when none does)."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if needle in line]
+    return lines[-1].strip() if lines else ""
 
 
 def _answered(output: Path) -> int:

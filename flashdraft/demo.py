@@ -8,14 +8,18 @@ target. Prompts come from `chitchat-dataset` (real multi-turn chats) and `human-
   3. eval       the untrained drafter: the real draft-and-verify loop on held-out prompts
   4. train      a drafter online against the frozen target
   5. eval       the trained drafter, same prompts
-  6. export     serving format (done by train; checked by reloading)
+  6. eval       the reference drafter shipped in the repository (`REFERENCE_DRAFTER`, trained
+                by `bench/quality.py` on an H200), same prompts: what a full run gives
+  7. export     serving format (done by train; checked by reloading)
 
 Every stage calls the library function its command calls; the training settings are the
 `smollm2_demo` preset, and the untrained drafter is the trainer's own initial drafter
-(`plan.initial_drafter`). A finished stage is reused when the demo runs again into the same
-output. It ends with a table (tau before/after, per-position acceptance, lossless, time per
-stage), a PNG plot, and where everything was written. The defaults finish in well under 15
-minutes on 2 CPU cores; on a GPU the same command runs a larger configuration.
+(`plan.initial_drafter`). The held-out prompts come only from conversations and tasks that
+the reference recipe's split (`data.sources`) holds out, so neither drafter trained on them.
+A finished stage is reused when the demo runs again into the same output. It ends with a
+table (tau of each drafter, per-position acceptance, lossless, time per stage), a PNG plot,
+and where everything was written. The defaults finish in well under 15 minutes on 2 CPU
+cores; on a GPU the same command runs a larger configuration.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from flashdraft.data.audit import AuditConfig, audit
 from flashdraft.data.generate import GenerateConfig, generate
 from flashdraft.data.inference import Sampling
 from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.data.sources import SourcesConfig, is_held_out, split_settings
 from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
 from flashdraft.eval.report import format_summary, write_report
 from flashdraft.export import load_dflash, save_dflash, verify_export
@@ -51,6 +56,18 @@ from flashdraft.train.presets import smollm2_demo
 from flashdraft.train.trainer import train
 
 log = get_logger(__name__)
+
+# The reference drafter: the SmolLM2-135M-Instruct run of `bench/quality.py` on an H200, as
+# a dflash export. It ships with a source checkout, not with the wheel.
+REFERENCE_DRAFTER = (
+    Path(__file__).resolve().parent.parent / "benchmarks" / "artifacts" / "smollm2-135m-dflash"
+)
+REFERENCE_NAME = "reference drafter (shipped, H200 run)"
+# Each drafter's report in the output directory, by its name in summary.json; the reference
+# one exists only when it was evaluated.
+REPORTS = {"untrained": "eval_untrained.json", "trained": "eval_trained.json"}
+REFERENCE_REPORT = "eval_reference.json"
+_LABELS = {"untrained": "untrained", "trained": "trained", "reference": REFERENCE_NAME}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,19 +121,41 @@ def _chat_prompts() -> list[dict]:
         if len(messages) < 3 or len(last) < 20 or last in seen:
             continue
         seen.add(last)
-        prompts.append({"id": record["id"], "messages": messages})
+        prompts.append(
+            {"id": record["id"], "source": record["id"], "kind": "chat", "messages": messages}
+        )
     return prompts
 
 
+def _code_prompts() -> list[dict]:
+    return [
+        {"id": t["id"], "source": t["id"], "kind": "humaneval", "messages": t["messages"]}
+        for t in assets.humaneval_prompts()
+    ]
+
+
 def prompt_sets(samples: int, eval_prompts: int) -> tuple[list[dict], list[dict]]:
-    """Training and held-out prompts: two thirds chat, one third code; disjoint."""
-    chats = _chat_prompts()
-    code = assets.humaneval_prompts()
+    """Training and held-out prompts: two thirds chat, one third code. The held-out ones come
+    only from the conversations and tasks that the reference recipe's split holds out
+    (`reference_split`), the training ones from the rest: neither the demo's drafter nor the
+    shipped reference drafter was trained on a held-out prompt."""
+    split = reference_split()
+
+    def held(record: dict) -> bool:
+        return is_held_out(record["source"], split.seed, split.share(record["kind"]))
+
+    chats, code = _chat_prompts(), _code_prompts()
     held_chat, held_code = eval_prompts - eval_prompts // 2, eval_prompts // 2
-    eval_set = chats[:held_chat] + code[:held_code]
-    n_code = min(samples // 3, len(code) - held_code)
-    train_set = chats[held_chat : held_chat + samples - n_code]
-    return train_set + code[held_code : held_code + n_code], eval_set
+    eval_set = [r for r in chats if held(r)][:held_chat] + [r for r in code if held(r)][:held_code]
+    train_chats, train_code = [r for r in chats if not held(r)], [r for r in code if not held(r)]
+    n_code = min(samples // 3, len(train_code))
+    return train_chats[: samples - n_code] + train_code[:n_code], eval_set
+
+
+def reference_split() -> SourcesConfig:
+    """The split the reference drafter's prompts were built under (`bench/quality.py`: seed 0,
+    the default shares); only its split settings are used, nothing is written."""
+    return SourcesConfig(output="", seed=0)
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
@@ -257,9 +296,16 @@ def run_demo(config: DemoConfig) -> int:
             (out / "eval_trained.json").unlink(missing_ok=True)  # a new drafter: evaluate again
     with stage("eval trained"):
         evaluate(export, out / "eval_trained.json")
+    reference = out / REFERENCE_REPORT
+    if (REFERENCE_DRAFTER / "config.json").exists():
+        with stage("eval reference"):
+            evaluate(REFERENCE_DRAFTER, reference)
+    else:
+        log.info(f"no reference drafter at {REFERENCE_DRAFTER} (a source checkout has it): skipped")
+        reference.unlink(missing_ok=True)
     with stage("export"):
         verify_export(load_dflash(str(export), torch.float32), str(export))
-    reports = summarise(out, stage.seconds)
+    reports = summarise(out, stage.seconds).values()
     unexplained = sum(r["unexplained_mismatch_prompts"] for r in reports)
     if unexplained:
         log.error(
@@ -274,24 +320,25 @@ def run_demo(config: DemoConfig) -> int:
 # ---- the results ----
 
 
-def _table(before: dict, after: dict) -> str:
-    positions = max(len(before["per_position_acceptance"]), len(after["per_position_acceptance"]))
+def _table(reports: dict[str, dict]) -> str:
+    positions = max(len(r["per_position_acceptance"]) for r in reports.values())
     shown = min(positions, 8)
+    width = max(len(_LABELS[name]) for name in reports)
 
     def row(name: str, report: dict) -> str:
         acc = " ".join(f"{x:.2f}" for x in report["per_position_acceptance"][:shown])
         lossless = f"{report['lossless_prompts']}/{report['num_prompts']}"
         ties = report["near_tie_prompts"]
         lossless += f" +{ties} ties" if ties else ""
-        return f"  {name:<10} {report['tau']:>6.3f}   {lossless:>14}   {acc}"
+        return f"  {_LABELS[name]:<{width}} {report['tau']:>6.3f}   {lossless:>14}   {acc}"
 
     lines = [
         "\n== flashdraft demo: results ==",
-        f"  {'drafter':<10} {'tau':>6}   {'lossless':>14}   acceptance at draft position 1..{shown}",
-        row("untrained", before),
-        row("trained", after),
+        f"  {'drafter':<{width}} {'tau':>6}   {'lossless':>14}   "
+        f"acceptance at draft position 1..{shown}",
+        *(row(name, report) for name, report in reports.items()),
     ]
-    if any(r["near_tie_prompts"] for r in (before, after)):
+    if any(r["near_tie_prompts"] for r in reports.values()):
         lines.append(
             "  (ties: outputs that leave the target's greedy decoding only where its logits are "
             "within rounding of a tie; see `mismatch` in the reports)"
@@ -299,12 +346,14 @@ def _table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def summarise(out: Path, times: dict[str, float]) -> tuple[dict, dict]:
-    """Logs the results table, writes summary.json and the plot; returns the two reports."""
-    before = storage.read_json(str(out / "eval_untrained.json"))
-    after = storage.read_json(str(out / "eval_trained.json"))
-    _plot(before, after, out / "acceptance.png")
-    log.info(_table(before, after))
+def summarise(out: Path, times: dict[str, float]) -> dict[str, dict]:
+    """Logs the results table, writes summary.json and the plot; returns the reports by
+    drafter (the reference one when it was evaluated)."""
+    reports = {name: storage.read_json(str(out / file)) for name, file in REPORTS.items()}
+    if (out / REFERENCE_REPORT).exists():
+        reports["reference"] = storage.read_json(str(out / REFERENCE_REPORT))
+    _plot(reports, out / "acceptance.png")
+    log.info(_table(reports))
     log.info(
         "\n  time per stage: "
         + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
@@ -316,38 +365,35 @@ def summarise(out: Path, times: dict[str, float]) -> tuple[dict, dict]:
         f"    data/               prepared dataset (manifest.json, rejects.jsonl)\n"
         f"    run/                training run: metrics.jsonl, tensorboard/, checkpoints/\n"
         f"    run/export/         the trained drafter in serving format (vLLM / SGLang / z-lab)\n"
-        f"    eval_untrained.json eval_trained.json (+ .png) reports\n"
-        f"    acceptance.png      per-position acceptance, untrained vs trained"
+        f"    eval_untrained.json eval_trained.json eval_reference.json (+ .png) reports\n"
+        f"    acceptance.png      per-position acceptance of each drafter"
     )
-    storage.write_json_atomic(
-        str(out / "summary.json"),
-        {
-            "tau_untrained": before["tau"],
-            "tau_trained": after["tau"],
-            "seconds": times,
-            "lossless_untrained": before.get("lossless"),
-            "lossless_trained": after.get("lossless"),
-            "lossless_up_to_ties_untrained": before.get("lossless_up_to_ties"),
-            "lossless_up_to_ties_trained": after.get("lossless_up_to_ties"),
-        },
-    )
-    return before, after
+    summary: dict[str, Any] = {"seconds": times}
+    for name, report in reports.items():
+        summary[f"tau_{name}"] = report["tau"]
+        summary[f"per_position_acceptance_{name}"] = report["per_position_acceptance"]
+        summary[f"lossless_{name}"] = report.get("lossless")
+        summary[f"lossless_up_to_ties_{name}"] = report.get("lossless_up_to_ties")
+    if "reference" in reports:
+        summary["reference_drafter"] = str(REFERENCE_DRAFTER)
+    summary["held_out_split"] = split_settings(reference_split())
+    storage.write_json_atomic(str(out / "summary.json"), summary)
+    return reports
 
 
-def _plot(before: dict, after: dict, path: Path) -> None:
+def _plot(reports: dict[str, dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 3.5))  # no pyplot: no global backend state (as plot_acceptance)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    length = max(len(before["per_position_acceptance"]), len(after["per_position_acceptance"]))
-    for name, report in (("untrained", before), ("trained", after)):
+    length = max(len(r["per_position_acceptance"]) for r in reports.values())
+    for name, report in reports.items():
         values = list(report["per_position_acceptance"])
         values += [0.0] * (length - len(values))  # positions never reached: nothing accepted
-        ax.plot(
-            range(1, len(values) + 1), values, marker="o", label=f"{name} (tau {report['tau']:.2f})"
-        )
+        label = f"{_LABELS[name]} (tau {report['tau']:.2f})"
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,14 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    """Back to one thread before every test: a command run in-process (the demo uses every
-    core) must not change the arithmetic of the tests after it (tests/train/test_golden.py
-    pins bit-exact weights, and thread count changes reduction order)."""
+def _one_thread() -> Iterator[None]:
+    """One thread before every test and again after it: a command run in-process (the demo
+    uses every core) must not change the arithmetic of the tests after it (test_golden.py and
+    test_faults.py compare weights bit for bit; thread count changes reduction order). The
+    reset after is the one that counts for the next test's module and session fixtures
+    (test_faults.py's reference run): they are set up before its function fixtures."""
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(1)
 
 

@@ -180,9 +180,11 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
 @pytest.mark.slow
 def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     """build-prompts -> generate -> prepare -> train -> eval -> report on the real SmolLM2
-    target, tiny sizes, on the CPU; a second call finds every stage done."""
+    target, tiny sizes, on the CPU, as on the two-GPU machine (--gpus 2: the greedy and
+    sampled passes in two processes, training under torchrun on two ranks); a second call
+    finds every stage done."""
     out = tmp_path / "q"
-    command = [sys.executable, str(ROOT / "bench" / "quality.py"), "all", "--smoke"]
+    command = [sys.executable, str(ROOT / "bench" / "quality.py"), "all", "--smoke", "--gpus", "2"]
     command += ["--output", str(out)]
     first = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -191,7 +193,10 @@ def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert all(tau >= 1.0 for tau in result["tau"].values())
     (md,) = out.glob("quality_cpu_*.md")
     assert "| tau, chat |" in md.read_text() and "Training (finished)" in md.read_text()
+    assert {p.name for p in (out / "gen").glob("*.log")} == {"greedy.log", "sample1.log"}
     metrics = [json.loads(line) for line in (out / "runs/reference/metrics.jsonl").open()]
+    assert json.loads((out / "runs/reference/run_config.json").read_text())  # one run dir
+    assert "2 drafter replica(s)" in (out / "runs/reference.log").read_text()
     assert [r["step"] for r in metrics if "eval_tau" in r] == [3, 6]
     split = json.loads((out / "prompts" / "split.json").read_text())
     assert split["counts"]["chat"]["train_prompts"] == 40

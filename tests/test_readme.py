@@ -25,7 +25,9 @@ How they run, in the order generate -> prepare -> audit -> bench -> train -> exp
   target copies its last input token (a newline) at low temperature and never closes a think
   block, while `generate` keeps only answers with text, closed, and ended (or `--keep-truncated`);
 * `torchrun` lines need several processes: their arguments are parsed into the run config
-  and its placement is checked for the world size they ask for, without running.
+  and its placement is checked for the world size they ask for (nodes x processes), without
+  running; a `srun ... torchrun ...` line is its torchrun part (tests/train/test_multinode.py
+  runs real multi-node launches).
 
 The test ends by checking that it ran every command line it found: a line added to the
 README that no stage knows makes it fail.
@@ -132,6 +134,8 @@ def _block_commands(lines: list[str]) -> list[str]:
             joined.append(line.strip())
     found = []
     for line in joined:
+        if line.startswith("srun ") and " torchrun " in line:  # a SLURM wrapper: its torchrun
+            line = line[line.index(" torchrun ") + 1 :]
         if line.split(" ", 1)[0] in ("flashdraft", "torchrun"):
             found.append(shlex.join(shlex.split(line, comments=True)))
     return found
@@ -141,12 +145,14 @@ def test_the_extraction_finds_commands_in_blocks_and_inline_spans() -> None:
     text = (
         "Run `flashdraft audit d --preview\n  3` or `flashdraft demo`; `flashdraft.data` is a module.\n"
         "```bash\nflashdraft train --config c.toml \\\n    --set a=1   # a comment\nmake demo\n"
-        "torchrun --nproc-per-node 2 -m flashdraft.cli train --config c.toml\n```\n"
+        "torchrun --nproc-per-node 2 -m flashdraft.cli train --config c.toml\n"
+        'srun --ntasks-per-node 1 torchrun --nnodes 2 --nproc-per-node 4 \\\n  --rdzv-endpoint "$h:1" -m flashdraft.cli train\n```\n'
     )
     commands, bare = extract(text)
     assert commands == [
         "flashdraft train --config c.toml --set a=1",
         "torchrun --nproc-per-node 2 -m flashdraft.cli train --config c.toml",
+        "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint '$h:1' -m flashdraft.cli train",
         "flashdraft audit d --preview 3",
     ]
     assert bare == ["demo"]
@@ -187,6 +193,8 @@ def _check_torchrun(words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     the world size it asks for (one process cannot run it: no process group is made)."""
     monkeypatch.setattr(parallel.dist, "new_group", lambda ranks: None)
     world = int(words[words.index("--nproc-per-node") + 1])
+    if "--nnodes" in words:  # the world of a multi-node launch (node count x processes)
+        world *= int(words[words.index("--nnodes") + 1])
     rest = words[words.index("flashdraft.cli") + 1 :]
     assert rest[0] == "train", words
     parser = argparse.ArgumentParser()

@@ -17,6 +17,7 @@ start-up check also compares a packed two-document row with each document run al
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -152,6 +153,16 @@ def tap_errors(got: Tensor, ref: Tensor, taps: LayerTaps) -> list[float]:
         a, b = got[:, k * width : (k + 1) * width].float(), ref[:, k * width : (k + 1) * width]
         errors.append(float((a - b.float()).norm() / b.float().norm().clamp_min(1e-30)))
     return errors
+
+
+@dataclass(slots=True)
+class TargetOutputs:
+    """What the target gives the drafter for a packed row (R rows, k = soft_top_k)."""
+
+    features: Tensor  # [R, T, K*H] the taps, concatenated
+    next_tokens: Tensor | None  # [R, ...] argmax at the label positions (the hard labels)
+    soft_ids: Tensor | None = None  # [R, ..., k] the target's top-k tokens there
+    soft_probs: Tensor | None = None  # [R, ..., k] fp32, their probabilities (sum 1 over k)
 
 
 class Target:
@@ -302,10 +313,24 @@ class Target:
         label_positions: Tensor | None,
         chunk_rows: int = 4096,
     ) -> tuple[Tensor, Tensor | None]:
-        """One packed forward: (taps [R, T, K*H], argmax next tokens at label_positions).
+        """One packed forward: (taps [R, T, K*H], argmax next tokens at label_positions);
+        `packed_outputs` without soft labels."""
+        out = self.packed_outputs(input_ids, position_ids, doc_ids, label_positions, chunk_rows)
+        return out.features, out.next_tokens
 
-        label_positions [R, ...] are packed indices; the argmax is computed only there, in
-        chunks, from the final-normed last hidden state (never the full [R, T, V] logits).
+    def packed_outputs(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        doc_ids: Tensor,
+        label_positions: Tensor | None,
+        chunk_rows: int = 4096,
+        soft_top_k: int = 0,
+    ) -> TargetOutputs:
+        """One packed forward: the taps, and at label_positions [R, ...] (packed indices) the
+        argmax next tokens and, when `soft_top_k` > 0, the top-k soft labels
+        (`TargetHead.labels_at`). The labels are computed only there, in chunks, from the
+        final-normed last hidden state (never the full [R, T, V] logits).
         Per-document positions and a per-document causal mask make each document's taps
         identical to running it alone.
         """
@@ -314,6 +339,7 @@ class Target:
         if self.linear is not None:  # hybrid: the linear layers restart at document starts
             mask = attention_masks(self.config, mask)
             packing = self.linear.packed(doc_ids)
+        labels: tuple[Tensor | None, ...] = (None, None, None)
         with self.no_grad(), packing:
             out = self.base(
                 input_ids=input_ids,
@@ -321,15 +347,14 @@ class Target:
                 attention_mask=mask,
                 use_cache=False,
             )
-            next_tokens = None
             if label_positions is not None:
-                next_tokens = self.head.argmax_at(
-                    out.last_hidden_state, label_positions, chunk_rows
+                labels = self.head.labels_at(
+                    out.last_hidden_state, label_positions, chunk_rows, soft_top_k
                 )
         features = self.taps.features()  # outside inference mode: an ordinary tensor
-        if next_tokens is not None:
-            next_tokens = next_tokens.clone()
-        return features, next_tokens
+        # Clones leave inference mode too: autograd may then use them like any tensor.
+        next_tokens, soft_ids, soft_probs = (t if t is None else t.clone() for t in labels)
+        return TargetOutputs(features, next_tokens, soft_ids, soft_probs)
 
     def flops_per_token(self, context_len: int) -> float:
         """Forward FLOPs per token of the decoder stack (the LM head runs only at label

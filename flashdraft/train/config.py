@@ -97,12 +97,31 @@ class DrafterSection:
 @dataclass(kw_only=True, slots=True)
 class LossSection:
     anchors: int = option(512, ge=1, help="A, anchors per packed row")
-    gamma: float | None = option(
-        None, gt=0, help="slot weight decay; None: 7 for B = 16 (DFlash paper), scaled by B / 16"
+    weighting: Literal["decay", "dpace"] = option(
+        "decay",
+        help="per-slot loss weights: decay: exp(-(k-1)/gamma) (DFlash paper); dpace: D-PACE's "
+        "position weights from the drafter's own confidence (acceptance surrogate, per block)",
     )
-    labels: Literal["target", "data"] = option(
+    gamma: float | None = option(
+        None,
+        gt=0,
+        help="decay weighting: slot weight decay; None: 7 for B = 16 (DFlash paper), scaled "
+        "by B / 16 (unused with dpace)",
+    )
+    dpace_alpha: float = option(
+        0.5,
+        ge=0,
+        le=1,
+        help="dpace weighting: smoothing of the drafter's label probability q, s = (1-a)q + a "
+        "(1: weights count the trained slots left in the block, ignoring q)",
+    )
+    labels: Literal["target", "data", "soft"] = option(
         "target",
-        help="target: the target's argmax (distillation); data: the data tokens",
+        help="target: the target's argmax (distillation); data: the data tokens; soft: the "
+        "target's top-k distribution (renormalised) at the block positions, KL to it",
+    )
+    soft_top_k: int = option(
+        32, ge=1, help="soft labels: target probabilities kept per position (top k)"
     )
     chunk_rows: int = option(2048, ge=1, help="rows per LM-head chunk", tags=SAFE)
 

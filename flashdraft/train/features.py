@@ -1,14 +1,16 @@
 """Where a drafter rank gets the target's side of each packed row.
 
 A feature source answers two questions for the trainer: the target's output for a row
-(taps [1, T, K*H] and the labels [1, A, B-1]) and the target's frozen head (embedding and LM
-head, shared with the drafter). Two implementations, chosen once by `open_feature_source`:
+(taps [1, T, K*H], the labels [1, A, B-1] and, with `loss.labels = "soft"`, the soft labels
+[1, A, B-1, k]: `TargetOutputs`) and the target's frozen head (embedding and LM head, shared
+with the drafter). Two implementations, chosen once by `open_feature_source`:
 
 * `LocalTarget` (colocated placement): this rank holds the target and runs it on the row;
 * `RemoteTarget` (split placement, drafter ranks): a target rank ran it
   (`flashdraft.train.server`) and sent the result; the head came once, at start.
 
-Shape legend: T tokens per row, A anchors, B block size, K taps, H hidden, V vocabulary.
+Shape legend: T tokens per row, A anchors, B block size, K taps, H hidden, V vocabulary,
+k soft labels per position.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from flashdraft.data.inference import resolve_dtype
 from flashdraft.log import get_logger
 from flashdraft.model.attention import Backend
 from flashdraft.model.head import TargetHead
-from flashdraft.model.target import DTYPES, Target, decoder_layers, load_target
+from flashdraft.model.target import DTYPES, Target, TargetOutputs, decoder_layers, load_target
 from flashdraft.train.blocks import data_next_tokens
 from flashdraft.train.config import LossSection
 from flashdraft.train.packing import Row
@@ -35,6 +37,7 @@ from flashdraft.train.parallel import (
     target_compile_refusal,
 )
 from flashdraft.train.plan import RunPlan
+from flashdraft.train.step import DraftBatch
 
 log = get_logger(__name__)
 
@@ -53,8 +56,8 @@ class FeatureSource(Protocol):
         """The target itself when it runs on this rank (in-training eval), else None."""
         ...
 
-    def outputs(self, row: Row, on_device: RowOnDevice) -> tuple[Tensor, Tensor]:
-        """(taps [1, T, K*H], next tokens [1, A, B-1]) of `row`."""
+    def row_outputs(self, row: Row, on_device: RowOnDevice) -> TargetOutputs:
+        """The taps [1, T, K*H], next tokens [1, A, B-1] and soft labels of `row`."""
         ...
 
 
@@ -69,6 +72,18 @@ def device_put(device: torch.device) -> Callable[[Tensor], Tensor]:
     return put
 
 
+def soft_label_width(loss: LossSection, vocab_size: int) -> int:
+    """k, the soft labels per position the run's target sends (0 without soft labels)."""
+    if loss.labels != "soft":
+        return 0
+    if loss.soft_top_k > vocab_size:
+        raise ValueError(
+            f"loss.soft_top_k = {loss.soft_top_k} exceeds the target's vocabulary of "
+            f"{vocab_size} tokens; set it to at most {vocab_size}"
+        )
+    return loss.soft_top_k
+
+
 def target_outputs(
     target: Target,
     row: Row,
@@ -76,16 +91,39 @@ def target_outputs(
     put: Callable[[Tensor], Tensor],
     loss: LossSection,
     block: int,
-) -> tuple[Tensor, Tensor]:
-    """The target's side of one row: (taps [1, T, K*H], next tokens [1, A, B-1]), the labels
-    from the target's own predictions or, with `loss.labels = "data"`, from the row's tokens.
+) -> TargetOutputs:
+    """The target's side of one row: taps [1, T, K*H] and next tokens [1, A, B-1], the labels
+    from the target's own predictions or, with `loss.labels = "data"`, from the row's tokens;
+    with `loss.labels = "soft"` also the target's top-k soft labels [1, A, B-1, k].
     Shared by the colocated trainer and the split placement's target ranks."""
     ids, positions, docs, anchors = on_device
-    label_pos = put(row.label_positions) if loss.labels == "target" else None
-    features, next_tokens = target.forward_packed(ids, positions, docs, label_pos, loss.chunk_rows)
-    if next_tokens is None:
-        next_tokens = data_next_tokens(ids, anchors, block)
-    return features, next_tokens
+    label_pos = put(row.label_positions) if loss.labels != "data" else None
+    top_k = soft_label_width(loss, target.head.vocab_size)
+    out = target.packed_outputs(ids, positions, docs, label_pos, loss.chunk_rows, top_k)
+    if out.next_tokens is None:
+        out.next_tokens = data_next_tokens(ids, anchors, block)
+    return out
+
+
+def draft_batch(source: FeatureSource, row: Row, put: Callable[[Tensor], Tensor]) -> DraftBatch:
+    """The drafter's micro-batch of one row: the row on the device (`put`) with the target's
+    taps and labels, soft ones included, from `source`."""
+    on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
+    out = source.row_outputs(row, on_device)
+    assert out.next_tokens is not None, "a feature source always fills the labels"
+    ids, positions, docs, anchors = on_device
+    return DraftBatch(
+        input_ids=ids,
+        position_ids=positions,
+        doc_ids=docs,
+        loss_mask=put(row.loss_mask),
+        anchors=anchors,
+        anchor_valid=put(row.anchor_valid),
+        target_hidden=out.features,
+        next_tokens=out.next_tokens,
+        soft_ids=out.soft_ids,
+        soft_probs=out.soft_probs,
+    )
 
 
 def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -> Target:
@@ -123,7 +161,7 @@ class LocalTarget:
         self.loss, self.block = loss, block
         self.put = device_put(device)
 
-    def outputs(self, row: Row, on_device: RowOnDevice) -> tuple[Tensor, Tensor]:
+    def row_outputs(self, row: Row, on_device: RowOnDevice) -> TargetOutputs:
         return target_outputs(self.target, row, on_device, self.put, self.loss, self.block)
 
 
@@ -136,7 +174,7 @@ class RemoteTarget:
     def __init__(self, receiver: FeatureReceiver, head: TargetHead) -> None:
         self.receiver, self.head = receiver, head
 
-    def outputs(self, row: Row, on_device: RowOnDevice) -> tuple[Tensor, Tensor]:
+    def row_outputs(self, row: Row, on_device: RowOnDevice) -> TargetOutputs:
         return self.receiver.receive()
 
 
@@ -201,5 +239,6 @@ def open_feature_source(plan: RunPlan, backend: Backend, target_model: Any = Non
         plan.info.device,
         config.parallel.queue_depth,
         total=plan.rows_left,
+        soft_width=soft_label_width(config.loss, plan.drafter_config.vocab_size),
     )
     return RemoteTarget(receiver, head)

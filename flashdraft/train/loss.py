@@ -1,15 +1,38 @@
-"""Decayed cross-entropy through the target's LM head, in chunks, and the training metrics.
+"""The drafter's loss through the target's LM head, in chunks, and the training metrics.
 
 Shape legend: R rows, A anchors, B block size, H hidden, V vocabulary, N = R*A*(B-1) trained
-rows (slot 0 is never trained, so it never reaches the head).
+rows (slot 0 is never trained, so it never reaches the head), k soft labels per row.
 
-loss = sum(w_k * m * CE) / sum(w_k * m) over the *global* batch (all micro-batches of all
-ranks, SPEC trap 10): the caller passes that normaliser in, so the gradient of each
-micro-batch is already its exact share and results do not depend on how the batch is split.
+Per trained slot the loss is KL(p || q), q = softmax(head(h)) the drafter's distribution and
+p the label's: one-hot on the target's argmax (or the data token), where the KL is the
+cross-entropy; or, with `loss.labels = "soft"`, the target's top-k distribution
+renormalised, where it is the soft cross-entropy minus the entropy of p (a constant: the
+same gradient, and 0 at a perfect match, so `loss` means the same thing in both cases).
 
-The LM head + CE run in chunks of rows: the gradient w.r.t. the hidden states is computed in
+Slot weights (`loss.weighting`):
+* decay (DFlash paper): w_k = exp(-(k-1)/gamma); loss = sum(w_k m KL) / sum(w_k m).
+* dpace (D-PACE, its "full" variant): per block, from the drafter's probability q_k of the
+  hard label, s_k = (1-a) q_k + a on trained slots and 1 elsewhere, P_k = prod_{i<=k} s_i
+  (a smoothed chance that slots 1..k are all accepted), W_k = sum_{j>=k} m_j P_j (the part of
+  the smoothed accepted length sum_j m_j P_j that rests on slot k); W is detached, so each
+  slot's gradient is its KL gradient scaled by W_k. loss = sum(W m KL) / sum(m).
+
+Either way the normaliser is a sum over the *global* batch (all micro-batches of all ranks,
+SPEC trap 10) that the caller passes in, known before any forward from the trained-slot
+masks: sum(w_k m), with w = [0, 1, ..., 1] for dpace (`loss_slot_weights`). So the gradient
+of each micro-batch is already its exact share and results do not depend on the split. For
+dpace this is why the normaliser is the trained-slot count and not sum(W m): W comes out of
+the drafter's forward, so the global sum(W m) would be known only after the last
+micro-batch's forward, too late for the first one's backward. The objective is thus sum(W m
+KL) over blocks divided by a split-independent constant (its scale grows with the mean W,
+between 0 and B-1, as training raises q; D-PACE's reference divides by the number of
+sequences instead). The logged `loss` is sum(W m KL) / sum(W m): a weighted mean KL, on the
+same scale as the decay's.
+
+The LM head + KL run in chunks of rows: the gradient w.r.t. the hidden states is computed in
 the forward pass, chunk by chunk, so neither the [N, V] logits nor their gradient ever exist
-in full (a Qwen3 head at N = 7680 would be 4.7 GB of fp32 logits, twice).
+in full (a Qwen3 head at N = 7680 would be 4.7 GB of fp32 logits, twice). With dpace a
+chunk holds whole blocks (a multiple of B-1 rows), since W runs along the block.
 """
 
 from __future__ import annotations
@@ -21,12 +44,33 @@ import torch
 from torch import Tensor
 
 from flashdraft.model.head import TargetHead
+from flashdraft.train.blocks import slot_weights
+from flashdraft.train.config import LossSection
 
 DEFAULT_CHUNK_ROWS = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class DPace:
+    """D-PACE weighting of rows that come in blocks of `span` consecutive rows (B-1)."""
+
+    alpha: float
+    span: int
+
+
+def dpace_weights(log_q: Tensor, trained: Tensor, dpace: DPace) -> Tensor:
+    """W [n] of n rows (whole blocks) from log q [n], the drafter's log-probability of each
+    row's hard label, and trained [n] bool (see the module docstring)."""
+    q = log_q.exp().view(-1, dpace.span)
+    m = trained.view(-1, dpace.span)
+    s = torch.where(m, (1.0 - dpace.alpha) * q + dpace.alpha, torch.ones_like(q))
+    reach = torch.cumprod(s, dim=1) * m  # m_j P_j
+    return reach.flip(1).cumsum(dim=1).flip(1).reshape(-1)  # sum over j >= k
+
+
 class _ChunkedHeadCE(torch.autograd.Function):
-    """sum_i coef_i * CE(head(h_i), y_i) with dL/dh computed in forward, chunk by chunk."""
+    """sum_i coef_i W_i KL(p_i || softmax(head(h_i))) with dL/dh computed in forward, chunk by
+    chunk; W_i = 1 unless `dpace`, p_i one-hot on labels_i unless soft ids / probs."""
 
     @staticmethod
     def forward(
@@ -37,41 +81,62 @@ class _ChunkedHeadCE(torch.autograd.Function):
         coef: Tensor,
         head: TargetHead,
         chunk_rows: int,
-    ) -> tuple[Tensor, Tensor]:
+        dpace: DPace | None,
+        soft_ids: Tensor | None,
+        soft_probs: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        row_w = torch.empty(n if dpace else 0, dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if hidden.requires_grad else None
         w = weight.to(hidden.dtype)
-        for start in range(0, hidden.shape[0], chunk_rows):
-            h = hidden[start : start + chunk_rows]
-            y = labels[start : start + chunk_rows]
-            c = coef[start : start + chunk_rows]
-            raw = (h @ w.T).float()
-            logits = head.transform(raw)
+        if dpace is not None:  # whole blocks per chunk: W runs along the block
+            chunk_rows = max(dpace.span, chunk_rows // dpace.span * dpace.span)
+        for start in range(0, n, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            y, c = labels[rows], coef[rows]
+            logits = head.transform((hidden[rows] @ w.T).float())
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, y[:, None]).squeeze(1)
-            total += (c * (lse - picked)).sum()
-            correct[start : start + chunk_rows] = logits.argmax(dim=-1) == y
+            correct[rows] = logits.argmax(dim=-1) == y
+            if dpace is not None:
+                row_w[rows] = dpace_weights(picked - lse, c > 0, dpace)
+                c = c * row_w[rows]
+            if soft_ids is None or soft_probs is None:
+                total += (c * (lse - picked)).sum()
+            else:  # KL(p || q) = sum_j p_j log p_j - sum_j p_j logit_j + sum(p) lse
+                ids, p = soft_ids[rows], soft_probs[rows].to(logits.dtype)
+                mass = p.sum(dim=-1)
+                cross = mass * lse - (p * logits.gather(1, ids)).sum(dim=-1)
+                total += (c * (cross + torch.special.xlogy(p, p).sum(dim=-1))).sum()
             if grad is None:
                 continue
-            # dCE/dlogits = softmax - onehot, scaled by this row's coefficient ...
+            # dKL/dlogits = sum(p) softmax - p (one-hot p: softmax - onehot), times the
+            # row's coefficient ...
             g = torch.exp(logits - lse[:, None])
-            g[torch.arange(len(y), device=y.device), y] -= 1.0
+            if soft_ids is None or soft_probs is None:
+                g[torch.arange(len(y), device=y.device), y] -= 1.0
+            else:
+                g *= mass[:, None]
+                g.scatter_add_(1, ids, -p)
             g *= c[:, None]
             # ... then back through softcap (d/ds c*tanh(s/c) = 1 - tanh^2) and the scale.
             if head.softcap is not None:
                 g *= 1.0 - (logits / head.softcap) ** 2
             if head.logit_scale != 1.0:
                 g *= head.logit_scale
-            grad[start : start + chunk_rows] = g.to(w.dtype) @ w
+            grad[rows] = g.to(w.dtype) @ w
         ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(correct, row_w)
+        return total, correct, row_w
 
     @staticmethod
-    def backward(ctx: Any, grad_total: Tensor, _grad_correct: Tensor) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, grad_total: Tensor, _grad_correct: Tensor, _grad_w: Tensor
+    ) -> tuple[Any, ...]:
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None
+        return grad * grad_total.to(grad.dtype), *(None,) * 8
 
 
 def head_cross_entropy(
@@ -80,18 +145,28 @@ def head_cross_entropy(
     labels: Tensor,
     coef: Tensor,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> tuple[Tensor, Tensor]:
-    """(sum_i coef_i * CE_i, argmax_i == label_i) for hidden [N, H], labels [N], coef [N]."""
-    loss, correct = _ChunkedHeadCE.apply(hidden, head.weight, labels, coef, head, chunk_rows)
-    return loss, correct
+    *,
+    dpace: DPace | None = None,
+    soft: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(sum_i coef_i W_i KL_i, argmax_i == label_i, W [N] or None) for hidden [N, H],
+    labels [N], coef [N]; `soft` = (ids [N, k], probs [N, k]) replaces the one-hot labels
+    in the KL (the labels still give `correct` and D-PACE's q); `dpace` weights rows by W
+    (rows with coef 0 count as untrained), else W = 1 (None is returned)."""
+    soft_ids, soft_probs = soft if soft is not None else (None, None)
+    loss, correct, row_w = _ChunkedHeadCE.apply(
+        hidden, head.weight, labels, coef, head, chunk_rows, dpace, soft_ids, soft_probs
+    )
+    return loss, correct, (row_w if dpace is not None else None)
 
 
 @dataclass(slots=True)
 class BlockStats:
     """Sums on the device (no host sync) that add across micro-batches and ranks.
 
-    weighted_ce / weight: the loss; correct / trained per slot: acc_k;
-    accepted / blocks: tau_hat - 1 (prefix-correct, per block).
+    weighted_ce / weight: the loss, a weighted mean KL to the labels (the cross-entropy for
+    hard labels): sum(w m KL) / sum(w m), with W for D-PACE; correct / trained per slot:
+    acc_k against the hard labels; accepted / blocks: tau_hat - 1 (prefix-correct, per block).
     """
 
     weighted_ce: Tensor
@@ -137,6 +212,23 @@ class BlockStats:
         }
 
 
+def loss_slot_weights(loss: LossSection, block_size: int) -> Tensor:
+    """[B] the run's slot weights w_k: the decay's exp(-(k-1)/gamma) (gamma None: 7 for
+    B = 16, scaled by B / 16), or for D-PACE [0, 1, ..., 1], whose W comes per block from the
+    drafter, so that the normaliser sum(w m) is the trained-slot count (module docstring)."""
+    if loss.weighting == "dpace":
+        weights = torch.ones(block_size)
+        weights[0] = 0.0  # the anchor slot is never trained
+        return weights
+    gamma = loss.gamma if loss.gamma is not None else 7.0 * block_size / 16
+    return slot_weights(block_size, gamma)
+
+
+def dpace_alpha_of(loss: LossSection) -> float | None:
+    """D-PACE's smoothing when the run weights slots by D-PACE, else None (decay)."""
+    return loss.dpace_alpha if loss.weighting == "dpace" else None
+
+
 def loss_normaliser(mask: Tensor, slot_w: Tensor) -> Tensor:
     """sum(w_k * m) of one micro-batch's trained-slot mask [R, A, B]; add over the global batch."""
     return (mask * slot_w.to(mask.device)).sum()
@@ -150,18 +242,31 @@ def block_loss(
     slot_w: Tensor,
     normaliser: Tensor,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    *,
+    dpace_alpha: float | None = None,
+    soft: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, BlockStats]:
     """Loss share of one micro-batch and its metric sums.
 
     hidden [R, A*B, H] final-normed drafter states; labels / mask [R, A, B];
-    normaliser: the global sum(w_k * m) (see module docstring). Returns the scalar to
-    backpropagate (already divided by the normaliser) and the stats.
+    normaliser: the global sum(w_k * m) (see module docstring). `dpace_alpha`: weight slots
+    by D-PACE (then slot_w should be `loss_slot_weights`'s [0, 1, ..., 1]); `soft`: soft
+    labels of slots 1..B-1, (ids [R, A, B-1, k], probs [R, A, B-1, k]). Returns the scalar
+    to backpropagate (already divided by the normaliser) and the stats.
     """
     rows, num, block = labels.shape
     h = hidden.view(rows, num, block, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
     w = slot_w.to(mask.device)[1:] * mask[:, :, 1:]  # [R, A, B-1]
     coef = (w / normaliser).reshape(-1)
-    loss, correct = head_cross_entropy(h, head, labels[:, :, 1:].reshape(-1), coef, chunk_rows)
+    dpace = DPace(dpace_alpha, block - 1) if dpace_alpha is not None else None
+    flat_soft = None
+    if soft is not None:
+        ids, probs = soft
+        flat_soft = (ids.reshape(-1, ids.shape[-1]), probs.reshape(-1, probs.shape[-1]))
+    loss, correct, row_w = head_cross_entropy(
+        h, head, labels[:, :, 1:].reshape(-1), coef, chunk_rows, dpace=dpace, soft=flat_soft
+    )
+    weight = w.sum() if row_w is None else (w.reshape(-1) * row_w).sum()
     trained = mask[:, :, 1:] > 0
     hit = correct.view(rows, num, block - 1) & trained
     zero = torch.zeros(1, device=mask.device)
@@ -171,7 +276,7 @@ def block_loss(
     accepted = torch.cumprod(hit.float(), dim=2).sum(dim=2)
     stats = BlockStats(
         weighted_ce=(loss * normaliser).detach(),
-        weight=w.sum().detach(),
+        weight=weight.detach(),
         correct=per_slot_correct,
         trained=per_slot_trained,
         accepted=(accepted * valid_block).sum(),

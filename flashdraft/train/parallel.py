@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from flashdraft.log import trace
 from flashdraft.model.drafter import DFlashDrafter
-from flashdraft.model.target import Target
+from flashdraft.model.target import Target, TargetOutputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,22 +248,34 @@ def dp_barrier(placement: Placement) -> None:
         dist.barrier(group=placement.group)
 
 
+def _payload(outputs: TargetOutputs) -> list[Tensor]:
+    """The tensors of one row's target outputs on the wire, in a fixed order: features,
+    next tokens, then the soft labels' ids and probabilities when there are any."""
+    assert outputs.next_tokens is not None, "the target side always fills the labels"
+    tensors = [outputs.features, outputs.next_tokens]
+    if outputs.soft_ids is not None and outputs.soft_probs is not None:
+        tensors += [outputs.soft_ids, outputs.soft_probs]
+    return [t.contiguous() for t in tensors]
+
+
 class FeatureSender:
-    """Target rank -> one drafter rank: (features [1, T, K*H], next tokens [1, A, B-1]) per
-    row, point to point, with at most `depth` transfers in flight. The sender never waits
-    for a drafter step unless `depth` transfers are already queued."""
+    """Target rank -> one drafter rank: one row's `TargetOutputs` (features [1, T, K*H],
+    next tokens [1, A, B-1], soft labels [1, A, B-1, k] when the run has them) per row, point
+    to point, with at most `depth` transfers in flight. The sender never waits for a drafter
+    step unless `depth` transfers are already queued."""
 
     def __init__(self, peer: int, depth: int) -> None:
         self.peer, self.depth = peer, max(1, depth)
-        self._pending: list[tuple[list[Any], tuple[Tensor, Tensor]]] = []
+        self._pending: list[tuple[list[Any], list[Tensor]]] = []
 
-    def send(self, features: Tensor, next_tokens: Tensor) -> None:
+    def send(self, outputs: TargetOutputs) -> None:
         while len(self._pending) >= self.depth:
             works, _ = self._pending.pop(0)
             for work in works:
                 work.wait()
-        payload = (features.contiguous(), next_tokens.contiguous())
+        payload = _payload(outputs)
         works = [dist.isend(t, self.peer) for t in payload]
+        trace("send", peer=self.peer, bytes=sum(t.numel() * t.element_size() for t in payload))
         self._pending.append((works, payload))  # keep buffers alive until sent
 
     def flush(self) -> None:
@@ -275,10 +288,10 @@ class FeatureSender:
 class FeatureReceiver:
     """Drafter rank <- its target rank: the other end of `FeatureSender`.
 
-    Shapes are static (rows are padded to the token budget, A is fixed), so the receiver
-    preallocates, and posts the next receives before it computes on the current one. It is
-    told how many transfers the sender will make in all: a receive posted past the last
-    one would never complete.
+    Shapes are static (rows are padded to the token budget, A is fixed, k is the run's
+    `soft_width`, 0 without soft labels), so the receiver preallocates, and posts the next
+    receives before it computes on the current one. It is told how many transfers the
+    sender will make in all: a receive posted past the last one would never complete.
     """
 
     def __init__(
@@ -290,30 +303,40 @@ class FeatureReceiver:
         device: torch.device,
         depth: int,
         total: int,
+        soft_width: int = 0,
     ) -> None:
         self.peer, self.depth = peer, max(1, depth)
         self.feature_shape, self.label_shape = feature_shape, label_shape
         self.dtype, self.device = dtype, device
+        self.soft_width = soft_width
         self.remaining = total  # transfers not yet posted
-        self._pending: list[tuple[list[Any], tuple[Tensor, Tensor]]] = []
+        self._pending: list[tuple[list[Any], TargetOutputs]] = []
 
     def _post(self) -> None:
-        features = torch.empty(self.feature_shape, dtype=self.dtype, device=self.device)
-        labels = torch.empty(self.label_shape, dtype=torch.long, device=self.device)
-        works = [dist.irecv(features, self.peer), dist.irecv(labels, self.peer)]
-        self._pending.append((works, (features, labels)))
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+        outputs = TargetOutputs(
+            empty(self.feature_shape, self.dtype), empty(self.label_shape, torch.long)
+        )
+        if self.soft_width:
+            soft_shape = (*self.label_shape, self.soft_width)
+            outputs.soft_ids = empty(soft_shape, torch.long)
+            outputs.soft_probs = empty(soft_shape, torch.float32)
+        works = [dist.irecv(t, self.peer) for t in _payload(outputs)]
+        self._pending.append((works, outputs))
         self.remaining -= 1
 
-    def receive(self) -> tuple[Tensor, Tensor]:
+    def receive(self) -> TargetOutputs:
         """The next transfer, keeping up to `depth` receives posted ahead."""
         while len(self._pending) < self.depth and self.remaining > 0:
             self._post()
         if not self._pending:
             raise RuntimeError(f"rank {self.peer} has sent every transfer it was to send")
-        works, (features, labels) = self._pending.pop(0)
+        works, outputs = self._pending.pop(0)
         for work in works:
             work.wait()
-        return features, labels
+        return outputs
 
 
 def send_head(head_weights: list[Tensor], peers: list[int]) -> None:

@@ -85,6 +85,11 @@ def estimate(
     per_token = (3 * inter + 6 * h) * dtype_bytes
     if linear_layer_ids(target_config):
         per_token = max(per_token, linear_attention_bytes_per_token(text, dtype_bytes))
+    # Soft labels: k int64 ids + k fp32 probabilities per trained slot of a row (the target's
+    # top-k runs inside its label chunk, on logits the LM-head term already bounds).
+    soft = config.loss.soft_top_k if config.loss.labels == "soft" else 0
+    slots = config.loss.anchors * (drafter.block_size - 1)
+    soft_labels = {"soft labels (top-k ids + fp32 probs)": float(slots * soft * (8 + 4))}
     return MemoryEstimate(
         {
             "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
@@ -98,6 +103,7 @@ def estimate(
             "drafter context K/V (row length)": t
             * (drafter.num_hidden_layers * 6 * kv_dim * 4 + 8 * h),
             "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
+            **(soft_labels if soft else {}),
         }
     )
 

@@ -107,10 +107,9 @@ def smollm2_135m(
     These are starting values. The ablations that must set them, on the GPU, with
     `bench/quality.py train --run NAME --set ...` on the same data and steps, each recorded
     in benchmarks/: 3 vs 5 draft layers; lr (3e-4, 6e-4, 1.2e-3); exponential decay gamma
-    vs a D-PACE-style position weighting (a `loss.weighting` option the run config does not
-    have yet); hard labels (the target's argmax) vs soft ones (KL to the target's
-    distribution at the block positions: `loss.labels = "soft"`, not there yet). `steps`
-    stops early (default: every epoch)."""
+    vs a D-PACE-style position weighting (`loss.weighting = "dpace"`); hard labels (the
+    target's argmax) vs soft ones (KL to the target's top-k distribution at the block
+    positions: `loss.labels = "soft"`). `steps` stops early (default: every epoch)."""
     return RunConfig(
         output=output,
         seed=0,

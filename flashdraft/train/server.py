@@ -3,8 +3,9 @@
 Ranks [0, parallel.target_ranks) hold only the target. Each sends its head once to the
 drafter ranks it feeds (`Placement.consumers`), then, step after step, runs the target on
 each consumer's rows (the same positions of the same row stream the consumer walks) and
-sends the taps and labels (`FeatureSender`), at most `parallel.queue_depth` rows ahead of
-the drafter. The drafter side is `flashdraft.train.features.RemoteTarget`.
+sends the taps and labels, soft ones included (`FeatureSender`), at most
+`parallel.queue_depth` rows ahead of the drafter. The drafter side is
+`flashdraft.train.features.RemoteTarget`.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ def serve_target(plan: RunPlan, target_model: Any = None) -> None:
                     put(row.doc_ids),
                     put(row.anchors),
                 )
-                features, next_tokens = target_outputs(
-                    target, row, on_device, put, config.loss, block
-                )
-                senders[peer].send(features, next_tokens)
+                senders[peer].send(target_outputs(target, row, on_device, put, config.loss, block))
     for sender in senders.values():
         sender.flush()

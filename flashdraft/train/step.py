@@ -1,13 +1,15 @@
 """One drafter pass over a micro-batch of packed rows: blocks -> drafter -> loss.
 
 Shape legend: R rows, T tokens per row, A anchors per row, B block size, H hidden,
-K tapped layers. Everything in a `DraftBatch` already lives on the compute device; the
-target side (`flashdraft.model.target`) fills `target_hidden` and `next_tokens`.
+K tapped layers, k soft labels per slot. Everything in a `DraftBatch` already lives on the
+compute device; the target side (`flashdraft.model.target`) fills `target_hidden`,
+`next_tokens` and, for soft labels, `soft_ids` / `soft_probs`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,11 +31,22 @@ class DraftBatch:
     anchor_valid: Tensor  # [R, A] bool
     target_hidden: Tensor  # [R, T, K*H] concatenated taps
     next_tokens: Tensor  # [R, A, B-1] label token of each trained slot
+    soft_ids: Tensor | None = None  # [R, A, B-1, k] soft labels (`loss.labels = "soft"`):
+    soft_probs: Tensor | None = None  # [R, A, B-1, k] the target's top k, renormalised
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBatch:
-        return DraftBatch(
-            *(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self))
-        )
+        moved: dict[str, Any] = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            moved[f.name] = None if t is None else t.to(device, non_blocking=non_blocking)
+        return DraftBatch(**moved)
+
+    @property
+    def soft(self) -> tuple[Tensor, Tensor] | None:
+        """(soft_ids, soft_probs) when the batch carries soft labels, else None."""
+        if self.soft_ids is None or self.soft_probs is None:
+            return None
+        return self.soft_ids, self.soft_probs
 
 
 def labels_and_mask(batch: DraftBatch, block_size: int) -> tuple[Tensor, Tensor]:
@@ -87,8 +100,22 @@ def draft_loss(
     backend: Backend,
     chunk_rows: int,
     forward: nn.Module | None = None,
+    *,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, BlockStats]:
-    """This micro-batch's share of the global loss (see `flashdraft.train.loss`) and its stats."""
+    """This micro-batch's share of the global loss (see `flashdraft.train.loss`) and its stats:
+    weighted by D-PACE when `dpace_alpha` is given (slot_w: `loss.loss_slot_weights`), else by
+    slot_w; against the batch's soft labels when it carries them."""
     labels, mask = labels_and_mask(batch, drafter.config.block_size)
     hidden = draft_hidden(drafter, head, batch, backend, forward)
-    return block_loss(hidden, labels, mask, head, slot_w, normaliser, chunk_rows)
+    return block_loss(
+        hidden,
+        labels,
+        mask,
+        head,
+        slot_w,
+        normaliser,
+        chunk_rows,
+        dpace_alpha=dpace_alpha,
+        soft=batch.soft,
+    )

@@ -33,11 +33,10 @@ from flashdraft.model.attention import default_backend
 from flashdraft.model.drafter import DFlashDrafter, param_count
 from flashdraft.model.target import decoder_layers
 from flashdraft.train import preflight
-from flashdraft.train.blocks import slot_weights
 from flashdraft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashdraft.train.config import RunConfig
-from flashdraft.train.features import device_put, open_feature_source
-from flashdraft.train.loss import BlockStats
+from flashdraft.train.features import device_put, draft_batch, open_feature_source
+from flashdraft.train.loss import BlockStats, dpace_alpha_of, loss_slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import FiniteGuard, build_optimizer
 from flashdraft.train.packing import Row
@@ -86,8 +85,8 @@ class Trainer:
         self.stream, self.dataset = plan.stream, plan.dataset
         self.total_steps, self.rows_per_step = plan.total_steps, plan.rows_per_step
         self.block = self.drafter_config.block_size
-        gamma = config.loss.gamma if config.loss.gamma is not None else 7.0 * self.block / 16
-        self.slot_w = slot_weights(self.block, gamma).to(self.device)
+        self.slot_w = loss_slot_weights(config.loss, self.block).to(self.device)
+        self.dpace_alpha = dpace_alpha_of(config.loss)
         self.slot_w_cpu = self.slot_w.cpu().double()
 
         if config.preflight:  # before any weight is loaded
@@ -242,20 +241,7 @@ class Trainer:
 
     def make_batch(self, row: Row) -> DraftBatch:
         """One row on the device, with the target's features and labels from the source."""
-        put = device_put(self.device)
-        on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
-        features, next_tokens = self.source.outputs(row, on_device)
-        ids, positions, docs, anchors = on_device
-        return DraftBatch(
-            input_ids=ids,
-            position_ids=positions,
-            doc_ids=docs,
-            loss_mask=put(row.loss_mask),
-            anchors=anchors,
-            anchor_valid=put(row.anchor_valid),
-            target_hidden=features,
-            next_tokens=next_tokens,
-        )
+        return draft_batch(self.source, row, device_put(self.device))
 
     def _normaliser(self, rows: list[Row]) -> Tensor:
         """The global loss normaliser of a step: known from the CPU rows, one all-reduce per
@@ -287,6 +273,7 @@ class Trainer:
                         self.backend,
                         self.config.loss.chunk_rows,
                         forward=self.model,
+                        dpace_alpha=self.dpace_alpha,
                     )
                 # Data parallel wrappers average gradients over ranks; the loss is already
                 # this rank's share of the global sum, so undo the average.

@@ -64,3 +64,29 @@ def test_drafter_config_records_what_the_real_head_applies(index: int) -> None:
     wrong = DrafterConfig.from_dict({**config.to_dict(), "input_embedding_scale": 2.0})
     with pytest.raises(ValueError, match=r"input_embedding_scale 2\.0"):
         head.check_drafter(wrong)
+
+
+@pytest.mark.parametrize("top_k", [1, 6, 50])
+def test_chunked_top_k_labels_are_the_renormalised_top_of_the_full_softmax(top_k) -> None:
+    """Soft labels: the k most likely tokens of the full logits and their probabilities
+    renormalised over those k (k = V: the full distribution); the argmax is unchanged."""
+    gen = torch.Generator().manual_seed(1)
+    head = TargetHead(
+        embedding=nn.Embedding(50, 8), weight=torch.randn(50, 8, generator=gen), softcap=3.0
+    )
+    head.logit_scale = 1.7
+    hidden = torch.randn(2, 12, 8, generator=gen)
+    positions = torch.randint(0, 12, (2, 4, 3), generator=gen)
+    argmax, ids, probs = head.labels_at(hidden, positions, chunk_rows=5, top_k=top_k)
+    assert ids is not None and probs is not None
+    assert torch.equal(argmax, head.argmax_at(hidden, positions, chunk_rows=5))
+    assert ids.shape == probs.shape == (*positions.shape, top_k) and probs.dtype == torch.float32
+    rows = hidden.gather(1, positions.reshape(2, -1, 1).expand(-1, -1, 8))
+    full = head.logits(rows).softmax(-1).view(*positions.shape, 50)
+    top = full.topk(top_k, dim=-1)
+    assert torch.equal(ids, top.indices)
+    torch.testing.assert_close(probs, top.values / top.values.sum(-1, keepdim=True))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(positions.shape))
+    if top_k == 50:
+        torch.testing.assert_close(full.gather(-1, ids), probs)
+    assert head.labels_at(hidden, positions, chunk_rows=5)[1:] == (None, None)

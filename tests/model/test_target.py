@@ -107,6 +107,36 @@ def test_packed_row_taps_and_labels_equal_documents_alone(smol) -> None:
     target.taps.remove()
 
 
+def test_packed_soft_labels_equal_documents_alone(smol) -> None:
+    """Soft labels (the target's top-k at the label positions) of a packed row are each
+    document's own, beside the unchanged hard labels; usable outside inference mode."""
+    target = Target(smol, [1, 14], backend="sdpa")
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 49152, (n,), generator=gen) for n in (9, 6)]
+    ids, positions, doc_ids = pack_documents(docs, padding=3)
+    label_pos = torch.arange(15)[None]
+    hard = target.forward_packed(ids, positions, doc_ids, label_pos)[1]
+    out = target.packed_outputs(ids, positions, doc_ids, label_pos, chunk_rows=4, soft_top_k=8)
+    assert out.soft_ids is not None and out.soft_probs is not None and out.next_tokens is not None
+    assert torch.equal(out.next_tokens, hard)
+    assert out.soft_ids.shape == (1, 15, 8) and not out.soft_probs.is_inference()
+    start = 0
+    for d in docs:
+        with torch.inference_mode():
+            logits = smol(input_ids=d[None]).logits[0]
+        top = logits.softmax(-1).topk(8, dim=-1)
+        span = slice(start, start + len(d))
+        # Compared as distributions over the vocabulary: fp32 rounding of other shapes may
+        # swap two near-equal tokens inside the top k.
+        got = torch.zeros_like(logits).scatter(1, out.soft_ids[0, span], out.soft_probs[0, span])
+        want = torch.zeros_like(logits).scatter(
+            1, top.indices, top.values / top.values.sum(-1, keepdim=True)
+        )
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        start += len(d)
+    target.taps.remove()
+
+
 @pytest.mark.gpu
 def test_packed_flex_forward_on_cuda_equals_documents_alone(tiny_qwen3_dir) -> None:
     """The CUDA target path (HF flex_attention + our document BlockMask, bf16)."""

@@ -9,14 +9,17 @@ from helpers import train_settings
 from torch import nn
 
 from flashdraft.model.head import TargetHead
-from flashdraft.train.config import load_run_config
+from flashdraft.model.target import TargetOutputs
+from flashdraft.train.config import LossSection, load_run_config
 from flashdraft.train.features import (
     LocalTarget,
     RemoteTarget,
     device_put,
+    draft_batch,
     head_from_payload,
     head_payload,
     load_run_target,
+    soft_label_width,
     target_outputs,
 )
 from flashdraft.train.parallel import DistInfo
@@ -60,11 +63,12 @@ def test_device_put_adds_the_row_dimension() -> None:
     assert put(torch.arange(5)).shape == (1, 5)
 
 
-@pytest.mark.parametrize("labels", ["target", "data"])
+@pytest.mark.parametrize("labels", ["target", "data", "soft"])
 def test_the_local_source_is_the_target_forward_of_the_row(
     tmp_path, tiny_qwen3_dir, qwen_data, labels
 ) -> None:
-    args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **{"loss.labels": f'"{labels}"'})
+    extra = {"loss.labels": f'"{labels}"', "loss.soft_top_k": 5}
+    args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
     config = load_run_config(None, args[1::2])
     plan = plan_run(config, ONE, resume=False)
     target = load_run_target(plan, "sdpa")
@@ -73,16 +77,40 @@ def test_the_local_source_is_the_target_forward_of_the_row(
     row = next(plan.stream.iterate(iter([0]), prefetch=0))
     put = device_put(ONE.device)
     on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
-    features, next_tokens = source.outputs(row, on_device)
+    out = source.row_outputs(row, on_device)
     taps = len(plan.drafter_config.target_layer_ids) * plan.drafter_config.hidden_size
-    assert features.shape == (1, config.data.row_tokens, taps)
-    assert next_tokens.shape == (1, config.loss.anchors, plan.drafter_config.block_size - 1)
+    labels_shape = (1, config.loss.anchors, plan.drafter_config.block_size - 1)
+    assert out.features.shape == (1, config.data.row_tokens, taps)
+    assert out.next_tokens is not None and out.next_tokens.shape == labels_shape
     again = target_outputs(target, row, on_device, put, config.loss, 8)
-    assert torch.equal(features, again[0]) and torch.equal(next_tokens, again[1])
+    assert torch.equal(out.features, again.features)
+    assert torch.equal(out.next_tokens, again.next_tokens)
+    if labels != "soft":
+        assert out.soft_ids is None and out.soft_probs is None
+        assert draft_batch(source, row, put).soft is None
+        return
+    # Soft labels: the target's top 5 at the same label positions, beside the same hard labels.
+    assert out.soft_ids is not None and out.soft_probs is not None
+    assert out.soft_ids.shape == out.soft_probs.shape == (*labels_shape, 5)
+    hard = target.forward_packed(*on_device[:3], put(row.label_positions), 256)[1]
+    assert torch.equal(out.next_tokens, hard)
+    torch.testing.assert_close(out.soft_probs.sum(-1), torch.ones(labels_shape))
+    # The drafter's batch carries them.
+    batch = draft_batch(source, row, put)
+    assert batch.soft is not None and torch.equal(batch.soft[0], out.soft_ids)
+    assert torch.equal(batch.next_tokens, out.next_tokens)
+
+
+def test_soft_labels_wider_than_the_vocabulary_are_refused() -> None:
+    loss = LossSection(labels="soft", soft_top_k=100)
+    assert soft_label_width(loss, 100) == 100
+    assert soft_label_width(LossSection(soft_top_k=100), 10) == 0  # hard labels: no width
+    with pytest.raises(ValueError, match=r"loss\.soft_top_k = 100 exceeds"):
+        soft_label_width(loss, 99)
 
 
 def test_the_remote_source_hands_over_what_it_receives() -> None:
-    sent = (torch.ones(1, 4, 6), torch.zeros(1, 2, 3, dtype=torch.long))
+    sent = TargetOutputs(torch.ones(1, 4, 6), torch.zeros(1, 2, 3, dtype=torch.long))
 
     class Receiver:
         def receive(self):
@@ -91,7 +119,7 @@ def test_the_remote_source_hands_over_what_it_receives() -> None:
     head = TargetHead(embedding=nn.Embedding(5, 2), weight=torch.zeros(5, 2))
     source = RemoteTarget(Receiver(), head)  # type: ignore[arg-type]
     assert source.target is None and source.head is head
-    assert source.outputs(None, None) is sent  # type: ignore[arg-type]
+    assert source.row_outputs(None, None) is sent  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -4,7 +4,15 @@ import torch.nn.functional as F
 from helpers import tiny_config, tiny_head
 
 from flashdraft.train.blocks import slot_weights
-from flashdraft.train.loss import BlockStats, block_loss, head_cross_entropy, loss_normaliser
+from flashdraft.train.config import LossSection
+from flashdraft.train.loss import (
+    BlockStats,
+    DPace,
+    block_loss,
+    head_cross_entropy,
+    loss_normaliser,
+    loss_slot_weights,
+)
 
 
 def _reference_ce(hidden, head, labels, coef):
@@ -26,7 +34,8 @@ def test_chunked_head_ce_equals_unchunked_loss_and_gradient(softcap, chunk_rows)
     coef[::5] = 0
 
     h1 = hidden.clone().requires_grad_()
-    loss, correct = head_cross_entropy(h1, head, labels, coef, chunk_rows)
+    loss, correct, row_w = head_cross_entropy(h1, head, labels, coef, chunk_rows)
+    assert row_w is None  # no D-PACE: every row weighs its coefficient
     (g1,) = torch.autograd.grad(loss * 2.5, h1)  # a non-unit upstream gradient
 
     h2 = hidden.clone().requires_grad_()
@@ -121,3 +130,206 @@ def test_stats_flatten_round_trip_and_add() -> None:
     double = stats.add(stats).summary()
     assert double["loss"] == pytest.approx(stats.summary()["loss"])
     assert double["blocks"] == 2 * stats.summary()["blocks"]
+
+
+# ---- soft labels: KL to the target's top-k distribution ----
+
+
+def _reference_kl(hidden, head, soft_ids, soft_probs, coef):
+    """sum_i coef_i KL(p_i || softmax(logits_i)), p_i scattered densely over the vocabulary."""
+    logits = head.logits(hidden)
+    p = torch.zeros_like(logits).scatter(1, soft_ids, soft_probs.to(logits.dtype))
+    log_q = torch.log_softmax(logits, dim=-1)
+    kl = (torch.special.xlogy(p, p) - p * log_q).sum(dim=-1)
+    return (coef * kl).sum()
+
+
+def _soft(gen, rows: int, vocab: int, k: int, dtype=torch.float64):
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(rows)])
+    probs = torch.softmax(3 * torch.randn(rows, k, generator=gen, dtype=dtype), dim=-1)
+    probs[0, 1:] = 0  # a one-hot row (0 log 0 = 0) ...
+    probs[0, 0] = 1
+    return ids, probs
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_soft_labels_give_the_dense_kl_and_its_gradient(softcap, chunk_rows) -> None:
+    config = tiny_config()
+    head = tiny_head(config, softcap=softcap)
+    head.logit_scale = 1.3
+    head.weight = head.weight.double()
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, config.hidden_size, generator=gen, dtype=torch.float64)
+    soft_ids, soft_probs = _soft(gen, 40, config.vocab_size, 5)
+    labels = soft_ids[:, 0]
+    coef = torch.rand(40, generator=gen, dtype=torch.float64)
+    coef[::6] = 0
+
+    h1 = hidden.clone().requires_grad_()
+    loss, correct, _ = head_cross_entropy(
+        h1, head, labels, coef, chunk_rows, soft=(soft_ids, soft_probs)
+    )
+    (g1,) = torch.autograd.grad(loss * 2.5, h1)
+    h2 = hidden.clone().requires_grad_()
+    ref = _reference_kl(h2, head, soft_ids, soft_probs, coef)
+    (g2,) = torch.autograd.grad(ref * 2.5, h2)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
+    assert torch.equal(correct, head.logits(hidden).argmax(-1) == labels)  # vs the hard label
+    # A one-hot soft label is the hard label: the KL is that row's cross-entropy.
+    one, _, _ = head_cross_entropy(hidden[:1], head, labels[:1], torch.ones(1).double())
+    alone, _, _ = head_cross_entropy(
+        hidden[:1], head, labels[:1], torch.ones(1).double(), soft=(soft_ids[:1], soft_probs[:1])
+    )
+    torch.testing.assert_close(alone.double(), one.double())
+
+
+def test_soft_labels_over_the_whole_vocabulary_are_the_full_distribution() -> None:
+    """top_k = V: the target's full distribution, so the loss is the full KL (and, plus the
+    target's entropy, the full soft cross-entropy) with its gradient."""
+    config = tiny_config()
+    head = tiny_head(config)
+    teacher = tiny_head(config, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, 12, config.hidden_size, generator=gen)
+    teacher_hidden = torch.randn(1, 12, config.hidden_size, generator=gen)
+    positions = torch.arange(12)[None]
+    argmax, ids, probs = teacher.labels_at(teacher_hidden, positions, 5, top_k=config.vocab_size)
+    assert ids is not None and probs is not None
+    p_full = teacher.logits(teacher_hidden[0]).softmax(-1)
+    coef = torch.full((12,), 1 / 12)
+
+    h1 = hidden[0].clone().requires_grad_()
+    loss, _, _ = head_cross_entropy(h1, head, argmax[0], coef, 5, soft=(ids[0], probs[0]))
+    loss.backward()
+    h2 = hidden[0].clone().requires_grad_()
+    log_q = torch.log_softmax(head.logits(h2), dim=-1)
+    cross = -(p_full * log_q).sum(-1).mean()  # soft cross-entropy against the full softmax
+    entropy = -(p_full * p_full.log()).sum(-1).mean()
+    (cross - entropy).backward()
+    torch.testing.assert_close(loss, cross - entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        F.kl_div(log_q, p_full, reduction="batchmean"), loss, rtol=1e-5, atol=1e-6
+    )
+
+
+# ---- D-PACE position weights ----
+
+
+def _dense_dpace(hidden, labels, mask, head, alpha, normaliser):
+    """D-PACE ("full") written out slot by slot: loss = sum(m W CE) / normaliser with W
+    detached, and sum(m W)."""
+    rows, num, block = labels.shape
+    logits = head.logits(hidden.view(rows, num, block, -1))
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+    ce = ce.view(rows, num, block)
+    q = torch.exp(-ce.detach())
+    weights = torch.zeros(rows, num, block, dtype=ce.dtype)
+    for r in range(rows):
+        for a in range(num):
+            prefix = []  # P_k = prod over trained slots i <= k of (1 - alpha) q_i + alpha
+            running = 1.0
+            for k in range(1, block):
+                if mask[r, a, k] > 0:
+                    running *= float((1 - alpha) * q[r, a, k] + alpha)
+                prefix.append(running)
+            for k in range(1, block):
+                weights[r, a, k] = sum(prefix[j - 1] for j in range(k, block) if mask[r, a, j] > 0)
+    loss = (mask * weights * ce).sum() / normaliser
+    return loss, (mask * weights).sum()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 64])
+def test_dpace_equals_its_dense_definition(alpha, chunk_rows) -> None:
+    """Chunks of any size (rounded down to whole blocks), a mask with holes inside blocks
+    (untrained slots are no-ops in the product), the gradient with W held fixed."""
+    config = tiny_config()
+    head = tiny_head(config)
+    h, y, m = _micro_batch(3, config, rows=2, anchors=5)
+    # Make the drafter right on some labels, so q spans (0, 1).
+    y.view(-1)[::3] = head.logits(h).argmax(-1).view(-1)[::3]
+    slot_w = loss_slot_weights(LossSection(weighting="dpace"), config.block_size)
+    assert slot_w.tolist() == [0.0] + [1.0] * (config.block_size - 1)
+    norm = loss_normaliser(m, slot_w) + 3.0  # a global count: other micro-batches' slots too
+
+    h1 = h.clone().requires_grad_()
+    loss, stats = block_loss(h1, y, m, head, slot_w, norm, chunk_rows, dpace_alpha=alpha)
+    loss.backward()
+    h2 = h.clone().requires_grad_()
+    ref, ref_weight = _dense_dpace(h2, y, m, head, alpha, norm)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(stats.weight, ref_weight)
+    assert stats.summary()["loss"] == pytest.approx(float(ref * norm / ref_weight), rel=1e-5)
+    if alpha == 1.0:  # s = 1: W_k counts the trained slots from k to the block's end
+        trained = m[..., 1:]
+        left = trained.flip(-1).cumsum(-1).flip(-1)
+        torch.testing.assert_close(stats.weight, (trained * left).sum())
+
+
+def test_dpace_weights_follow_the_drafters_confidence() -> None:
+    """A block the drafter gets right early puts weight on later slots: W_k grows with the
+    probability of the slots before k."""
+    config = tiny_config()
+    head = tiny_head(config)
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2 * 3, config.hidden_size, generator=gen)
+    pred = head.logits(hidden).argmax(-1)
+    labels = pred.clone()
+    labels[:3] = (pred[:3] + 1) % config.vocab_size  # block 0 wrong everywhere, block 1 right
+    coef = torch.ones(6)
+    _, _, w = head_cross_entropy(hidden, head, labels, coef, dpace=DPace(0.0, 3))
+    assert w is not None
+    w = w.view(2, 3)
+    assert (w[1, 1:] > w[0, 1:]).all()  # confident prefixes lift the later slots
+    assert (w[:, :-1] >= w[:, 1:]).all()  # a suffix sum never grows along the block
+
+
+def test_dpace_loss_is_independent_of_the_micro_batch_and_rank_split() -> None:
+    """SPEC trap 10 for D-PACE: W is per block and the normaliser is the global trained-slot
+    count, so any split of the blocks over micro-batches (or ranks, whose gradients are
+    summed) gives the same loss and gradients, equal to the global dense definition."""
+    config = tiny_config()
+    head = tiny_head(config)
+    slot_w = loss_slot_weights(LossSection(weighting="dpace"), config.block_size)
+    parts = [_micro_batch(s, config, anchors=a) for s, a in [(0, 3), (1, 9), (2, 5)]]
+    parts[0][2][..., 2:] = 0  # very different trained counts per micro-batch
+    total_norm = sum(loss_normaliser(m, slot_w) for _, _, m in parts)
+
+    def run(groups):
+        grads, losses = [], []
+        for group in groups:  # a rank, or a step's micro-batches
+            for i in group:
+                h, y, m = parts[i]
+                h = h.clone().requires_grad_()
+                loss, _ = block_loss(h, y, m, head, slot_w, total_norm, 4, dpace_alpha=0.5)
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append(h.grad)
+        return sum(losses), grads
+
+    whole, g_whole = run([[0, 1, 2]])
+    for groups in ([[0], [1, 2]], [[2], [0], [1]]):
+        split, g_split = run(groups)
+        torch.testing.assert_close(whole, split)
+        order = [i for g in groups for i in g]
+        for i, grad in zip(order, g_split, strict=True):
+            torch.testing.assert_close(g_whole[i], grad)
+    reference = sum(_dense_dpace(h, y, m, head, 0.5, total_norm)[0] for h, y, m in parts)
+    torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-6)
+    # A per-micro-batch normaliser would differ: the test can fail.
+    per_part = sum(
+        block_loss(h, y, m, head, slot_w, loss_normaliser(m, slot_w), dpace_alpha=0.5)[0]
+        for h, y, m in parts
+    ) / len(parts)
+    assert not torch.isclose(whole, per_part)
+
+
+def test_the_decay_slot_weights_are_the_runs_gamma() -> None:
+    torch.testing.assert_close(loss_slot_weights(LossSection(), 16), slot_weights(16, 7.0))
+    torch.testing.assert_close(loss_slot_weights(LossSection(), 8), slot_weights(8, 3.5))
+    torch.testing.assert_close(loss_slot_weights(LossSection(gamma=2.0), 8), slot_weights(8, 2.0))

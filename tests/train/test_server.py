@@ -1,12 +1,13 @@
 """Split placement at the feature level: a target rank serves, a drafter rank receives the
-same features, labels and head it would compute with the target beside it (two gloo
-processes on the CPU)."""
+same features, labels (soft ones included) and head it would compute with the target beside
+it (two gloo processes on the CPU)."""
 
 from __future__ import annotations
 
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import train_settings
@@ -24,7 +25,7 @@ from flashdraft.train.plan import plan_run
 from flashdraft.train.server import serve_target
 
 
-def _worker(rank: int, port: int, settings: list[str]) -> None:
+def _worker(rank: int, port: int, settings: list[str], soft: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -59,10 +60,15 @@ def _worker(rank: int, port: int, settings: list[str]) -> None:
                 put(row.doc_ids),
                 put(row.anchors),
             )
-            got, want = source.outputs(row, on_device), local.outputs(row, on_device)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            got, want = source.row_outputs(row, on_device), local.row_outputs(row, on_device)
+            for name in ("features", "next_tokens", "soft_ids", "soft_probs"):
+                a, b = getattr(got, name), getattr(want, name)
+                assert (a is None) == (b is None) == (soft == 0 and name.startswith("soft"))
+                assert a is None or torch.equal(a, b), name
+            if soft:
+                assert got.soft_ids is not None and got.soft_ids.shape[-1] == soft
         try:
-            source.outputs(row, on_device)
+            source.row_outputs(row, on_device)
         except RuntimeError as err:
             assert "every transfer" in str(err)
         else:
@@ -71,18 +77,22 @@ def _worker(rank: int, port: int, settings: list[str]) -> None:
         shutdown(info)
 
 
+@pytest.mark.parametrize("soft", [0, 6])
 def test_a_drafter_rank_receives_what_its_target_rank_computes(
-    tmp_path, tiny_qwen3_dir, qwen_data
+    tmp_path, tiny_qwen3_dir, qwen_data, soft
 ) -> None:
+    """Hard labels, and soft ones (`loss.labels = "soft"`, top 6): the soft labels travel
+    beside the taps and hard labels."""
     extra = {
         "optim.max_steps": 2,
         "optim.grad_accum": 2,
         "parallel.placement": '"split"',
         "parallel.target_ranks": 1,
         "parallel.queue_depth": 1,
+        **({"loss.labels": '"soft"', "loss.soft_top_k": soft} if soft else {}),
     }
     settings = train_settings(tmp_path / "run", tiny_qwen3_dir, qwen_data, **extra)[1::2]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, settings), nprocs=2, join=True)
+    mp.spawn(_worker, args=(port, settings, soft), nprocs=2, join=True)
