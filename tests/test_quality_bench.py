@@ -111,6 +111,23 @@ def test_a_report_before_anything_ran_says_so(report: ModuleType, tmp_path: Path
     assert md.read_text().count("not measured") >= 3 and "Training: not run." in md.read_text()
 
 
+def test_the_report_lists_the_passes_the_data_was_prepared_from(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    """A pass started and then dropped (`--samples 0` after a sampled pass began) has a marker
+    but no part in the data: the report names only the prepared passes."""
+    stages = tmp_path / "stages"
+    stages.mkdir()
+    greedy = {"settings": {"prompts": 4, "sampling": {"temperature": 0.0, "max_new_tokens": 8}}}
+    sampled = {"settings": {"prompts": 4, "sampling": {"temperature": 0.8, "max_new_tokens": 8}}}
+    (stages / "generate-greedy.json").write_text(json.dumps({**greedy, "complete": True}))
+    (stages / "generate-sample1.json").write_text(json.dumps({**sampled, "complete": False}))
+    assert set(report.collect(tmp_path, "reference")["generated"]) == {"greedy", "sample1"}
+    prepared = {"settings": {"greedy": {**greedy, "complete": True}}, "counts": {}}
+    (stages / "prepare.json").write_text(json.dumps(prepared))
+    assert set(report.collect(tmp_path, "reference")["generated"]) == {"greedy"}
+
+
 def test_prompt_subsets_carry_their_pass_in_the_id(quality: ModuleType, tmp_path: Path) -> None:
     source = tmp_path / "train.jsonl"
     records = [{"id": f"p{i}", "messages": [{"role": "user", "content": str(i)}]} for i in range(5)]
