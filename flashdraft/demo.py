@@ -265,11 +265,20 @@ class Evaluator:
 
 def run_demo(config: DemoConfig) -> int:
     """The whole demo; 0, or 1 when an output differs from the target's greedy decoding
-    beyond a near-tie of its logits (a bug: never passes silently)."""
+    beyond a near-tie of its logits (a bug: never passes silently). On the CPU it uses every
+    core, and gives the caller's thread count back at the end."""
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    device = "cuda" if cuda else "cpu"
+    threads = torch.get_num_threads()
     if not cuda:
         torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return _demo(config, cuda)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo(config: DemoConfig, cuda: bool) -> int:
+    device = "cuda" if cuda else "cpu"
     sizes = DemoSizes.for_device(cuda, config)
     out = Path(config.output).resolve()
     if config.fresh and out.exists():

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from flashdraft import cli
 from flashdraft.data.sources import SourcesConfig, is_held_out
 
@@ -22,7 +24,9 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys) -> None:
         "--device",
         "cpu",
     ]
+    threads = torch.get_num_threads()
     assert cli.main(["demo", *args]) == 0
+    assert torch.get_num_threads() == threads  # the demo uses every core, then gives them back
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tau_untrained"] >= 1.0 and summary["tau_trained"] >= 1.0
     assert summary["lossless_untrained"] and summary["lossless_trained"]
