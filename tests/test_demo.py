@@ -1,11 +1,15 @@
 """A fast smoke version of `make demo`: every stage on the real SmolLM2 target, tiny sizes."""
 
 import json
+from pathlib import Path
 
 import torch
 
 from flashdraft import cli
 from flashdraft.data.sources import SourcesConfig, is_held_out
+from flashdraft.demo import prompt_sets
+
+RECORDED_SPLIT = "benchmarks/raw/quality_20261201/split.json"
 
 
 def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys) -> None:
@@ -70,3 +74,16 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys) -> None:
     capsys.readouterr()
     assert cli.main(["demo", *args]) == 1
     assert "FAILED: 1 output(s) differ" in capsys.readouterr().err
+
+
+def test_the_demo_eval_prompts_are_held_out_in_the_shipped_drafters_recorded_split() -> None:
+    """Against the split the shipped reference drafter was actually trained under (recorded
+    by its run, benchmarks/raw/quality_20261201/split.json), not only against the rule: every
+    demo eval prompt is from a held-out source, no demo training prompt is."""
+    recorded = json.loads((Path(__file__).resolve().parents[1] / RECORDED_SPLIT).read_text())[
+        "held_out_sources"
+    ]
+    train, held_out = prompt_sets(samples=600, eval_prompts=16)
+    assert len(held_out) == 16 and len(train) == 600
+    assert all(r["source"] in recorded[r["kind"]] for r in held_out)
+    assert not any(r["source"] in recorded[r["kind"]] for r in train)
