@@ -55,6 +55,7 @@ from flashdraft.data.generate import GenerateConfig, generate
 from flashdraft.data.inference import Sampling
 from flashdraft.data.prepare import PrepareConfig, prepare
 from flashdraft.data.sources import KINDS, TRAIN_FILE, SourcesConfig, build_prompts
+from flashdraft.data.template import TemplateOptions
 from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
 from flashdraft.eval.prompts import load_prompts
 from flashdraft.eval.report import write_report
@@ -117,6 +118,12 @@ class QualityConfig:
     max_new_tokens: int = option(256, ge=1, help="longest generated answer")
     samples: int = option(1, ge=0, help="sampled answers per prompt besides the greedy one")
     temperature: float = option(0.8, gt=0, help="temperature of the sampled answers")
+    turns: Literal["all", "last"] = option(
+        "all",
+        help="assistant turns trained: all (as the first reference run), or only the last, the "
+        "one the target regenerated (a chat prompt's earlier assistant turns are the dataset's "
+        "human text)",
+    )
     top_p: float = option(0.95, gt=0, le=1, help="nucleus share of the sampled answers")
     gen_batch: int = option(256, ge=1, help="prompts per generation batch")
     gen_chunk: int = option(
@@ -346,7 +353,9 @@ class Pipeline:
 
     def prepare(self) -> None:
         passes = [name for name, _, _ in self.passes()]
-        settings = {name: self.marker(f"generate-{name}") for name in passes}
+        settings: dict[str, Any] = {name: self.marker(f"generate-{name}") for name in passes}
+        if self.config.turns != "all":  # recorded only when set: older markers stay valid
+            settings["turns"] = self.config.turns
         marker = self.marker("prepare")
         if marker is not None and marker["settings"] == settings:
             return
@@ -355,6 +364,7 @@ class Pipeline:
                 inputs=[str(self.out / "gen" / f"{name}.jsonl") for name in passes],
                 tokenizer=self.target,
                 output=str(self.out / "data"),
+                template=TemplateOptions(turns=self.config.turns),
                 workers=1 if self.config.smoke else 0,
                 max_reject_rate=0.05,
                 preview=0,

@@ -59,7 +59,7 @@ def collect(out: Path, run: str) -> dict[str, Any]:
     stages = out / "stages"
     prepared_from = read(stages / "prepare.json")
     if prepared_from is not None:  # the passes the data was prepared from, not every marker
-        generated = {k: v for k, v in prepared_from["settings"].items() if v is not None}
+        generated = {k: v for k, v in prepared_from["settings"].items() if isinstance(v, dict)}
     else:
         generated = {
             p.stem.removeprefix("generate-"): read(p)

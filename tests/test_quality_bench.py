@@ -220,3 +220,24 @@ def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert again.returncode == 0 and "eval chat" not in again.stdout  # nothing redone
     assert json.loads(again.stdout.strip().splitlines()[-1])["tau"] == result["tau"]
+
+
+def test_prepare_trains_the_turns_asked_for(
+    quality: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--turns last` reaches `prepare` (only the regenerated assistant turn is trained) and
+    its marker, so a change prepares the data again; the default leaves older markers valid."""
+    seen = []
+
+    class Prepared:
+        ok, manifest = True, {"counts": {}}
+
+    monkeypatch.setattr(quality, "prepare", lambda config: seen.append(config) or Prepared())
+    for turns in ("all", "last"):
+        argv = ["prepare", "--output", str(tmp_path), "--target", "t", "--turns", turns]
+        _, config, overrides = quality.parse(argv)
+        quality.Pipeline(config, overrides, argv).prepare()
+        assert seen[-1].template.turns == turns
+        settings = json.loads((tmp_path / "stages" / "prepare.json").read_text())["settings"]
+        assert settings.get("turns", "all") == turns
+    assert len(seen) == 2
