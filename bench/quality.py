@@ -120,9 +120,8 @@ class QualityConfig:
     temperature: float = option(0.8, gt=0, help="temperature of the sampled answers")
     turns: Literal["all", "last"] = option(
         "all",
-        help="assistant turns trained: all (as the first reference run), or only the last, the "
-        "one the target regenerated (a chat prompt's earlier assistant turns are the dataset's "
-        "human text)",
+        help="assistant turns trained per record: all, or only the last (`prepare --turns`; "
+        "the assistant turns inside a generated record's prompt are never trained)",
     )
     top_p: float = option(0.95, gt=0, le=1, help="nucleus share of the sampled answers")
     gen_batch: int = option(256, ge=1, help="prompts per generation batch")

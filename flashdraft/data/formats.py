@@ -8,7 +8,9 @@ Accepted record shapes (one JSON object per line):
 * ShareGPT `conversations`: `{"conversations": [{"from": "human|gpt|system|tool", "value": ...}]}`.
 * prompt/completion: `{"prompt": str | messages, "completion" | "response": str | messages,
   "reasoning": str?, "system": str?}`, e.g. a target's regenerated completions (a list
-  completion is TRL's conversational form: the assistant and tool turns that follow).
+  completion is TRL's conversational form: the assistant and tool turns that follow). Only
+  the completion is trained: assistant turns inside the prompt are context
+  (`Message.trained`).
 
 A record may also carry `tools` (function schemas) for the chat template: `record_tools`,
 and its own `id` (`record_id`), which must be unique within a dataset.
@@ -59,6 +61,10 @@ class Message:
     reasoning: str | None = None
     # Extra fields a chat template may read (tool_calls, name, tool_call_id, ...), kept as-is.
     extra: dict[str, Any] = field(default_factory=dict)
+    # False for an assistant turn that is context, not a target to learn: the turns inside a
+    # prompt/completion record's prompt (what `generate` writes: only the completion is the
+    # target's own text).
+    trained: bool = True
 
     def to_openai(self, *, with_reasoning: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content, **self.extra}
@@ -146,6 +152,8 @@ def _prompt_completion(record: dict[str, Any]) -> Conversation:
     if completion is None:
         raise RecordError("prompt record has no 'completion' or 'response'")
     messages = _prompt_messages(record)
+    for message in messages:  # the prompt is context: its assistant turns are never trained
+        message.trained = message.role != "assistant"
     if isinstance(completion, list):
         return [*messages, *(_message(m, len(messages) + i) for i, m in enumerate(completion))]
     # The record's reasoning, under any of its names, by the same first-non-null rule.

@@ -225,8 +225,12 @@ class ChatTemplate:
         self, conversation: Conversation, tools: list[dict[str, Any]] | None = None
     ) -> list[RenderedSample]:
         """The training samples of one conversation (see the module docstring for policy)."""
-        messages = self.messages(conversation)
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        messages = self.messages(conversation)  # one per message, in order
+        assistant = [
+            i
+            for i, (m, turn) in enumerate(zip(messages, conversation, strict=True))
+            if m["role"] == "assistant" and turn.trained
+        ]
         if not assistant:
             raise RecordError("conversation has no assistant turn to learn from")
         trained = assistant if self.options.turns == "all" else assistant[-1:]

@@ -16,6 +16,7 @@ from flashdraft.data.template import (
     encode,
     tokenizer_fingerprint,
 )
+from flashdraft.data.template_fast import FastChatTemplate
 
 QWEN_SYSTEM = "<|im_start|>system\nBe brief.<|im_end|>\n"
 SMOL_SYSTEM = (
@@ -219,6 +220,32 @@ def test_smollm2_multi_turn_masks(smollm2_tokenizer: Any) -> None:
     ]
     (sample,) = encoded(smollm2_tokenizer, two_turns(reasoning=False, system=False))
     assert sample == expected(smollm2_tokenizer, pieces)
+
+
+@pytest.mark.parametrize("cls", [ChatTemplate, FastChatTemplate])
+def test_a_prompt_is_never_trained_only_its_completion(smollm2_tokenizer: Any, cls: type) -> None:
+    """A prompt/completion record (what `generate` writes) whose prompt holds an assistant
+    turn: that turn is context (the dataset's text, not the target's), so even with
+    `turns="all"` only the completion is trained; the same turns as `messages` train both."""
+    chat = two_turns(reasoning=False, system=False)["messages"]
+    record = {"prompt": chat[:3], "completion": "4"}
+    pieces = [
+        (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello!<|im_end|>", 0),
+        ("\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("4<|im_end|>", 1),
+    ]
+    template = cls(smollm2_tokenizer, TemplateOptions(turns="all"))
+    for data, train_first in (
+        (record, 0),
+        ({"messages": chat}, 1),
+    ):
+        (result,) = encode(smollm2_tokenizer, template.samples(parse_record(data), None))
+        assert not isinstance(result, RecordError), result
+        want = [
+            (text, train_first if i == 1 else trained) for i, (text, trained) in enumerate(pieces)
+        ]
+        assert (result[0].tolist(), result[1].tolist()) == expected(smollm2_tokenizer, want)
 
 
 def test_smollm2_refuses_what_its_template_drops(smollm2_tokenizer: Any) -> None:
