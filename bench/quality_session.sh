@@ -20,9 +20,14 @@
 #           keeps the first GGUF part, takes the prompts built on the CPU machine
 #           (`python bench/quality.py build-prompts --output .qrun`: ~62K chat turns, 135 + 29
 #           HumanEval, 20K mined code prompts; the held-out split in prompts/split.json;
-#           `tar cf - .qrun | xz > .qcarry/qrun.tar.xz`: 198 MB of prompts in ~9 MB), or
-#           builds them there when it is not carried; with FAST=1 on the x2 machine it
-#           runs bench/fast_session.sh's decode and train stages meanwhile, one per GPU
+#           `tar cf - .qrun | xz > .qcarry/qrun.tar.xz`: the first 40K train prompts are
+#           9.8 MB, all 82K 20 MB: then carry no GGUF part in this call, and one more `part`
+#           call takes partaa), or builds them there when it is not carried; with FAST=1 on
+#           the x2 machine it runs bench/fast_session.sh's decode and train stages meanwhile,
+#           one per GPU
+# 2026-12-01 (the first run, one H200): one, two, more, more with QUALITY_ARGS="--prompts
+# 30000 --samples 0 --max-new-tokens 192 --gpus 1" (the GGUF then went in two parts): 26
+# device-minutes, benchmarks/quality_h200_20261201.md.
 #   part    carry [".gguf/partab"], then again with [".gguf/partac"]: keeps the part
 #   two     carry [".gguf/partad"]: joins the GGUF, then `all --deadline`: SmolLM2 converted
 #           (~20 s), answers generated (greedy + sampled), prepared, training started
