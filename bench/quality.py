@@ -267,7 +267,7 @@ class Pipeline:
         if self.config.only_pass is not None:
             passes = [p for p in passes if p[0] == self.config.only_pass]
         elif self.config.gpus > 1 and len(passes) > 1:
-            return self.generate_apart([name for name, _, _ in passes], n)
+            return self.generate_apart([name for name, _, _ in passes])
         for name, sampling, seed in passes:
             settings = {"prompts": n, "sampling": cfg.to_dict(sampling), "seed": seed}
             marker = self.marker(f"generate-{name}")
@@ -301,12 +301,14 @@ class Pipeline:
             self.save_marker(f"generate-{name}", settings, complete=True, seconds=round(seconds, 1))
         return True
 
-    def generate_apart(self, names: list[str], n: int) -> bool:
+    def generate_apart(self, names: list[str]) -> bool:
         """The passes side by side, one `generate --only-pass` process per GPU (in waves of
         --gpus), each under what is left of the deadline; True when all are complete."""
-        # The target converted once here, not by each process at the same time.
-        argv = [a for a in self.argv if a not in STAGES and a != "all"]
-        argv += ["--target", self.target]
+        argv = list(self.argv)
+        stage = next((a for a in argv if a in (*STAGES, "all")), None)
+        if stage is not None:  # the positional stage, not an option's value after it
+            argv.remove(stage)
+        argv += ["--target", self.target]  # converted once here, not by each process at once
         for first in range(0, len(names), self.config.gpus):
             left = self.remaining()
             extra = [] if left is None else ["--deadline", f"{max(left, 1.0):.0f}"]
@@ -314,12 +316,15 @@ class Pipeline:
             for gpu, name in enumerate(names[first : first + self.config.gpus]):
                 log_path = self.out / "gen" / f"{name}.log"
                 log_path.parent.mkdir(parents=True, exist_ok=True)
-                command = [sys.executable, str(Path(__file__).resolve()), "generate", *argv,
-                           "--only-pass", name, "--gpus", "1", *extra]  # fmt: skip
+                script = str(Path(__file__).resolve())
+                command = [sys.executable, script, "generate", *argv, "--only-pass", name]
+                command += ["--gpus", "1", *extra]
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
                 with open(log_path, "ab") as sink:
-                    procs.append((name, log_path, subprocess.Popen(
-                        command, stdout=sink, stderr=subprocess.STDOUT, env=env)))  # fmt: skip
+                    process = subprocess.Popen(
+                        command, stdout=sink, stderr=subprocess.STDOUT, env=env
+                    )
+                procs.append((name, log_path, process))
             for name, log_path, process in procs:
                 if process.wait() != 0:
                     tail = log_path.read_text(errors="replace").splitlines()[-15:]
@@ -328,8 +333,8 @@ class Pipeline:
                         + "\n".join(tail)
                     )
                 log.info(f"generate {name}: " + _last_line(log_path, "tok/s"))
-        settings_ok = [self.marker(f"generate-{name}") for name in names]
-        return all(m is not None and m.get("complete") for m in settings_ok)
+        markers = [self.marker(f"generate-{name}") for name in names]
+        return all(m is not None and m.get("complete") for m in markers)
 
     def _generate_config(
         self, prompts: Path, name: str, sampling: Sampling, seed: int, limit: int
@@ -413,14 +418,14 @@ class Pipeline:
         storage.write_json_atomic(str(config_file), run.to_dict())
         launcher = [sys.executable]
         if self.config.gpus > 1:  # on the CPU too (gloo): how the tests run it
-            launcher += ["-m", "torch.distributed.run", "--standalone",
-                         f"--nproc-per-node={self.config.gpus}"]  # fmt: skip
+            launcher += ["-m", "torch.distributed.run", "--standalone"]
+            launcher.append(f"--nproc-per-node={self.config.gpus}")
         command = [*launcher, "-m", "flashdraft.cli", "train", "--config", str(config_file)]
         if complete_checkpoints(str(self.run_dir)):
             command.append("--resume")
         started = time.perf_counter()
-        finished = supervise(command, self.out / "runs" / f"{self.config.run}.log", self.run_dir,
-                             self.remaining())  # fmt: skip
+        log_path = self.out / "runs" / f"{self.config.run}.log"
+        finished = supervise(command, log_path, self.run_dir, self.remaining())
         seconds += time.perf_counter() - started
         self.save_marker(name, settings, finished=finished, seconds=round(seconds, 1))
         return finished

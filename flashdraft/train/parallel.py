@@ -103,7 +103,7 @@ def compile_target(target: Target, backend: str = "inductor") -> Target:
 
     A small target's eager forward is bound by Python and kernel launches (SmolLM2-135M: ~46
     ms per 8192-token row eager, a few ms of compute). Only `target.base`, what
-    `forward_packed` calls, is replaced by its compiled wrapper (parameters shared); the HF
+    `packed_outputs` calls, is replaced by its compiled wrapper (parameters shared); the HF
     model itself stays eager for the start-up check and the HF eval loop, whose shapes vary.
     One graph per row shape (`dynamic=False`): rows are padded to the token budget, and every
     BlockMask comes from the one `document_causal_mask_mod` factory, which dynamo guards by
