@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import drafter_config_for, tiny_llama
+from helpers import drafter_config_for, tiny_llama, tiny_target
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
 
@@ -37,26 +37,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def qwen3_target():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3)
-    return model.eval().requires_grad_(False)
+    return tiny_target("qwen3")
 
 
 def hf_greedy(model, prompt: list[int], new: int) -> list[int]:

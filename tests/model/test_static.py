@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from helpers import tiny_llama
+from helpers import tiny_llama, tiny_target
 
 from flashdraft.model.static import (
     StaticLM,
@@ -20,36 +20,6 @@ from flashdraft.model.static import (
 )
 
 PROMPT = [5, 17, 3, 42, 8, 11, 29, 2, 60]
-
-
-def tiny_target(kind: str) -> torch.nn.Module:
-    """Tiny random targets whose greedy paths vary (weights larger than the default init)."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    if kind == "llama":
-        return tiny_llama(initializer_range=0.3)
-    common = dict(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    if kind == "mistral":  # a window on every layer
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=6))
-    else:  # qwen3; "qwen3-sliding": the last two layers slide over 5 positions
-        sliding = dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)
-        extra = sliding if kind == "qwen3-sliding" else {}
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, **extra))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3)
-    return model.eval().requires_grad_(False)
 
 
 KINDS = ["llama", "qwen3", "qwen3-sliding", "mistral"]
