@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,3 +89,37 @@ def tiny_qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from flashdraft.assets import tiny_qwen3_5
 
     return tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5") / "model")
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[object, dict[str, str]]]:
+    """A real S3 server (moto, on loopback) with a bucket `runs`: (its fsspec filesystem, the
+    AWS_* variables that point a client at it, set in this process for the test)."""
+    pytest.importorskip("s3fs")
+    import fsspec
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        # moto keeps its buckets in process-wide state, across servers: start empty.
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))
+        aws = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ENDPOINT_URL_S3": endpoint,
+        }
+        for key, value in aws.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint})
+        fs.mkdir("runs")
+        yield fs, aws
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()

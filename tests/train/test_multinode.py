@@ -263,39 +263,13 @@ def test_a_killed_node_resumes_on_one_and_on_three_processes(
     _same_curve([r for r in read_metrics(three) if r["step"] > resumed_from], want)
 
 
-def test_two_nodes_with_the_run_on_s3(tmp_path, tiny_qwen3_dir, small_data, control) -> None:
-    pytest.importorskip("s3fs")
-    import fsspec
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        aws = {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ENDPOINT_URL_S3": endpoint,
-        }
-        os.environ.update(aws)  # for the s3fs client of this process
-        s3fs.S3FileSystem.clear_instance_cache()
-        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint})
-        fs.mkdir("runs")
-        url = "s3://runs/multinode"
-        trace = tmp_path / "trace"
-        settings = _settings(url, tiny_qwen3_dir, small_data, **{"optim.grad_accum": 1})
-        _two_nodes(settings, _env(trace, aws))
-        lines = fs.cat("runs/multinode/metrics.jsonl").decode().splitlines()
-        _same_curve([json.loads(line) for line in lines], control)
-        assert fs.exists("runs/multinode/export/model.safetensors")
-        _check_single_writers(_events(trace))
-    finally:
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-                    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):  # fmt: skip
-            os.environ.pop(key, None)
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
+def test_two_nodes_with_the_run_on_s3(tmp_path, tiny_qwen3_dir, small_data, control, s3) -> None:
+    fs, aws = s3
+    url = "s3://runs/multinode"
+    trace = tmp_path / "trace"
+    settings = _settings(url, tiny_qwen3_dir, small_data, **{"optim.grad_accum": 1})
+    _two_nodes(settings, _env(trace, aws))
+    lines = fs.cat("runs/multinode/metrics.jsonl").decode().splitlines()
+    _same_curve([json.loads(line) for line in lines], control)
+    assert fs.exists("runs/multinode/export/model.safetensors")
+    _check_single_writers(_events(trace))

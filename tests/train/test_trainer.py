@@ -82,55 +82,30 @@ def test_trains_end_to_end_on_real_smollm2_with_in_training_eval(
 
 
 def test_checkpoint_round_trip_through_a_real_s3_server(
-    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch
+    tmp_path, tiny_qwen3_dir, qwen_data, s3
 ) -> None:
     """s3:// output against moto's S3 server on loopback (a real HTTP server, not a mock)."""
-    pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
+    from flashdraft.train.checkpoint import load_checkpoint
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        for key, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ENDPOINT_URL_S3": endpoint,
-        }.items():
-            monkeypatch.setenv(key, value)
-        import fsspec
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
-        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint})
-        fs.mkdir("runs")
-        url = "s3://runs/tiny"
-        extra = {"optim.max_steps": 4, "checkpoint.every": 2, "log.every": 2}
-        settings = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
-        settings += ["--set", f'output="{url}"']
-        assert cli.main(["train", *settings]) == 0
-        from flashdraft.train.checkpoint import load_checkpoint
-
-        found = complete_checkpoints(url)
-        assert [step for step, _ in found] == [2, 4]
-        drafter = load_drafter(found[-1][1])
-        reference = load_drafter(found[-1][1])
-        optimizer = torch.optim.AdamW(drafter.parameters())
-        state = load_checkpoint(found[-1][1], drafter, optimizer)
-        assert state["step"] == 4 and state["cursor"] == 4
-        for a, b in zip(
-            drafter.state_dict().values(), reference.state_dict().values(), strict=True
-        ):
-            assert torch.equal(a, b)
-        assert len(optimizer.state) == len(list(drafter.parameters()))
-        lines = fs.cat(f"{url[5:]}/metrics.jsonl").decode().splitlines()
-        assert [json.loads(line)["step"] for line in lines] == [2, 4]
-        assert fs.exists(f"{url[5:]}/export/model.safetensors")
-    finally:
-        server.stop()
+    fs, _ = s3
+    url = "s3://runs/tiny"
+    extra = {"optim.max_steps": 4, "checkpoint.every": 2, "log.every": 2}
+    settings = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
+    settings += ["--set", f'output="{url}"']
+    assert cli.main(["train", *settings]) == 0
+    found = complete_checkpoints(url)
+    assert [step for step, _ in found] == [2, 4]
+    drafter = load_drafter(found[-1][1])
+    reference = load_drafter(found[-1][1])
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    state = load_checkpoint(found[-1][1], drafter, optimizer)
+    assert state["step"] == 4 and state["cursor"] == 4
+    for a, b in zip(drafter.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert len(optimizer.state) == len(list(drafter.parameters()))
+    lines = fs.cat(f"{url[5:]}/metrics.jsonl").decode().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4]
+    assert fs.exists(f"{url[5:]}/export/model.safetensors")
 
 
 def test_every_micro_batch_is_normalised_by_the_whole_step(
