@@ -242,12 +242,13 @@ def fit_drafter(target, tokenizer, records, args, device) -> tuple[DFlashDrafter
         anchors, valid = sample_anchors(row["loss_mask"][0], row["doc_ids"][0], args.anchors, gen)
         row_dev = {k: v.to(device) for k, v in row.items()}
         anchors, valid = anchors[None].to(device), valid[None].to(device)
-        features, labels = wrapped.forward_packed(
+        out = wrapped.packed_outputs(
             row_dev["input_ids"],
             row_dev["position_ids"],
             row_dev["doc_ids"],
             label_positions(anchors, config.block_size, args.row_tokens),
         )
+        features, labels = out.features, out.next_tokens
         assert labels is not None
         batch = DraftBatch(
             input_ids=row_dev["input_ids"],

@@ -189,58 +189,19 @@ def tiny_hybrid(
     std: float = 0.15,
     seed: int = 0,
 ) -> nn.Module:
-    """A tiny random hybrid target (frozen, eval mode, fp32): Qwen3.5 (`qwen3_5`), its MoE
-    variant (`qwen3_5_moe`) or Qwen3-Next (`qwen3_next`); layers linear x 3, full, ...; grouped
-    value heads; partial RoPE. Weights N(0, std), decay rates exp(U(-1, 1)), so the linear
-    layers move the residual stream as much as the attention ones."""
-    import transformers as tf
+    """A tiny random hybrid target (frozen, eval mode, fp32, sdpa): `assets.tiny_hybrid_model`
+    (Qwen3.5, its MoE variant or Qwen3-Next) with a small vocabulary and no special tokens."""
+    from flashdraft.assets import tiny_hybrid_model
 
-    common: dict[str, object] = dict(
+    model = tiny_hybrid_model(
+        kind,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
+        num_layers=num_layers,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        std=std,
+        seed=seed,
     )
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-    mrope = dict(rope, mrope_section=[2, 1, 1], mrope_interleaved=True)
-    moe = dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    )  # fmt: skip
-    builders = {
-        "qwen3_5": lambda: tf.Qwen3_5ForCausalLM(
-            tf.Qwen3_5TextConfig(**common, intermediate_size=128, rope_parameters=mrope)
-        ),
-        "qwen3_5_moe": lambda: tf.Qwen3_5MoeForCausalLM(
-            tf.Qwen3_5MoeTextConfig(**common, **moe, rope_parameters=mrope)
-        ),
-        "qwen3_next": lambda: tf.Qwen3NextForCausalLM(
-            tf.Qwen3NextConfig(**common, **moe, intermediate_size=128, rope_parameters=rope)
-        ),
-    }
-    torch.manual_seed(seed)
-    model = builders[kind]()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
-            elif p.ndim == 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
     model.config._attn_implementation = "sdpa"
     return model.eval().requires_grad_(False)
 

@@ -87,7 +87,9 @@ class GenerateConfig:
         tags=_RECORDED,
     )
     turns: Literal["last", "all"] = option(
-        "last", help="regenerate the last assistant turn of each conversation, or each one"
+        "last",
+        help="regenerate the last assistant turn of each conversation, or each one (the "
+        "assistant turns inside a prompt record's prompt are context, never regenerated)",
     )
     backend: Literal["auto", "hf", "static", "vllm"] = option(
         "auto",

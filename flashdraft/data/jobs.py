@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from flashdraft.data.formats import Message, parse_prompt, record_id
+from flashdraft.data.formats import Message, RecordError, parse_prompt, record_id
 
 
 @dataclass(slots=True)
@@ -44,13 +44,23 @@ def jobs_from_record(record: Any, source: str, turns: str) -> list[Job]:
     its last assistant turn (`turns="last"`) or every one, where a conversation that ends
     without one asks for it.
 
+    Only turns `prepare` would train are answered: the assistant turns inside a prompt
+    record's prompt are context (`Message.trained`), with or without a completion. Written
+    as the completion of their own records they would be trained, and `--turns all` over
+    `generate`'s own output would answer each earlier turn once per later record.
+
     Earlier assistant turns stay as the dataset wrote them: each turn is answered to the
     conversation as it stood, so the turns of one record are independent jobs.
     """
     conversation = parse_prompt(record)
-    answers = [i for i, m in enumerate(conversation) if m.role == "assistant"]
+    if {"messages", "conversations", "completion", "response"} & record.keys():
+        answers = [i for i, m in enumerate(conversation) if m.role == "assistant" and m.trained]
+    else:  # a bare prompt record is all prompt (formats marks `trained` where a completion is)
+        answers = []
     if conversation[-1].role != "assistant":
         answers.append(len(conversation))  # the open turn after the last message
+    if not answers:
+        raise RecordError("no assistant turn to regenerate (a prompt's turns are context)")
     chosen = answers[-1:] if turns == "last" else answers
     key = record_key(record)
     return [Job(f"{key}#{i}", source, conversation[:i]) for i in chosen]

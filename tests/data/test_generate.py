@@ -100,6 +100,36 @@ def _ids(items: Iterable[Job | BadInput]) -> list[str]:
     return [i.id for i in items if isinstance(i, Job)]
 
 
+def test_turns_all_answers_only_what_prepare_trains(tmp_path: Path) -> None:
+    """A prompt record's prompt is context (`Message.trained`): `--turns all` regenerates
+    its completion or open turn only. Answering the prompt's assistant turns would train
+    them as completions, and a second pass over generate's own output (each record holding
+    the earlier turns in its prompt) would answer every earlier turn once per later record."""
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    prompts = _write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "chat", "messages": [*chat, {"role": "assistant", "content": "Bye!"}]},
+            {"id": "gen#3", "prompt": chat, "completion": "Bye!"},  # what generate writes
+            {"id": "tail", "prompt": chat, "completion": [{"role": "assistant", "content": "B"}]},
+            {"id": "bare", "prompt": chat},
+            {
+                "id": "empty",
+                "prompt": [*chat, {"role": "assistant", "content": "x"}],
+                "completion": [],
+            },
+        ],
+    )
+    items = list(read_jobs(_config(prompts, tmp_path / "out.jsonl", turns="all"), set(), Summary()))
+    assert _ids(items) == ["chat#1", "chat#3", "gen#3#3", "tail#3", "bare#3"]
+    (bad,) = [i for i in items if isinstance(i, BadInput)]
+    assert bad.source.endswith(":5") and "no assistant turn to regenerate" in bad.reason
+
+
 def test_config_rejects_outputs_that_cannot_be_appended(tmp_path: Path) -> None:
     for bad in ("out.jsonl.gz", "out.json", "out.rejected.jsonl"):
         with pytest.raises(ValueError, match=r"plain \.jsonl"):

@@ -80,15 +80,17 @@ def test_packed_row_taps_and_labels_equal_documents_alone(smol) -> None:
         [torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((pad,), -1)]
     )[None]
     label_pos = torch.arange(24)[None]
-    packed, next_packed = target.forward_packed(ids, positions, doc_ids, label_pos)
+    out = target.packed_outputs(ids, positions, doc_ids, label_pos)
+    packed, next_packed = out.features, out.next_tokens
     start = 0
     for i, d in enumerate(docs):
-        alone, next_alone = target.forward_packed(
+        one = target.packed_outputs(
             d[None],
             torch.arange(len(d))[None],
             torch.zeros(1, len(d), dtype=torch.long),
             torch.arange(len(d))[None],
         )
+        alone, next_alone = one.features, one.next_tokens
         # SmolLM2's residual stream carries outliers of ~2.4e4, so fp32 rounding of other
         # matmul shapes moves taps by ~1e-2 absolute: compare relative to each tap's scale
         # (a leak across documents would move them by the scale itself).
@@ -115,7 +117,7 @@ def test_packed_soft_labels_equal_documents_alone(smol) -> None:
     docs = [torch.randint(0, 49152, (n,), generator=gen) for n in (9, 6)]
     ids, positions, doc_ids = pack_documents(docs, padding=3)
     label_pos = torch.arange(15)[None]
-    hard = target.forward_packed(ids, positions, doc_ids, label_pos)[1]
+    hard = target.packed_outputs(ids, positions, doc_ids, label_pos).next_tokens
     out = target.packed_outputs(ids, positions, doc_ids, label_pos, chunk_rows=4, soft_top_k=8)
     assert out.soft_ids is not None and out.soft_probs is not None and out.next_tokens is not None
     assert torch.equal(out.next_tokens, hard)
@@ -151,16 +153,16 @@ def test_packed_flex_forward_on_cuda_equals_documents_alone(tiny_qwen3_dir) -> N
     doc_ids = torch.cat(
         [torch.full((len(d),), i) for i, d in enumerate(docs)] + [torch.full((pad,), -1)]
     )[None].cuda()
-    packed, _ = target.forward_packed(ids, positions, doc_ids, None)
+    packed = target.packed_outputs(ids, positions, doc_ids, None).features
     start = 0
     for d in docs:
         n = len(d)
-        alone, _ = target.forward_packed(
+        alone = target.packed_outputs(
             d[None].cuda(),
             torch.arange(n)[None].cuda(),
             torch.zeros(1, n, dtype=torch.long).cuda(),
             None,
-        )
+        ).features
         rel = (packed[:, start : start + n].float() - alone.float()).norm() / alone.float().norm()
         assert rel < 1e-2, float(rel)
         start += n
@@ -178,7 +180,8 @@ def test_a_hybrid_checkpoint_passes_the_startup_checks_packing_included(tiny_qwe
     # Real tokens (the Qwen3 tokenizer's ids): labels of a packed row == each document's own.
     docs = [torch.arange(1000, 1000 + n) * 7 for n in (9, 16)]
     ids, positions, doc_ids = pack_documents(docs, 3)
-    features, labels = target.forward_packed(ids, positions, doc_ids, torch.arange(28)[None])
+    out = target.packed_outputs(ids, positions, doc_ids, torch.arange(28)[None])
+    features, labels = out.features, out.next_tokens
     assert features.shape == (1, 28, 3 * 64)
     with torch.inference_mode():
         alone = model(input_ids=docs[1][None]).logits.argmax(-1)
