@@ -80,6 +80,9 @@ def target_model(args: argparse.Namespace, device: torch.device):
         attn_implementation="flex_attention" if device.type == "cuda" else "sdpa",
     )
     if getattr(args, "geometry", "8b") == "27b-hybrid":
+        # transformers has no flex_attention for the hybrid classes: sdpa with the dense
+        # document mask, as `flashdraft train` loads them (target.default_attention).
+        shape["attn_implementation"] = "sdpa"
         # Layer types from full_attention_interval 4 (linear x 3, full); Qwen3.6's RoPE: a
         # quarter of head_dim rotated, T/H/W sections interleaved.
         pairs = args.head_dim // 4 // 2  # rotated frequencies, split T/H/W: 32 -> 11, 11, 10

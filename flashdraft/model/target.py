@@ -91,6 +91,33 @@ def load_target(
     return model.to(device)
 
 
+def default_attention(path: str, device_type: str) -> str:
+    """The attention implementation to load a target with: flex_attention on CUDA (the
+    packed row's document mask as a compiled BlockMask) when the model class supports it,
+    else sdpa with a dense mask. transformers refuses flex for the hybrid Qwen3.5 / Qwen3-Next
+    classes (5.17-5.24), so `flex_attention` there would fail at load time."""
+    if device_type != "cuda":
+        return "sdpa"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    mapping: Any = AutoModelForCausalLM._model_mapping
+    try:
+        cls = mapping[type(config)]
+    except KeyError:
+        return "sdpa"
+    return "flex_attention" if getattr(cls, "_supports_flex_attn", False) else "sdpa"
+
+
+def mask_backend(model: Any, backend: Backend) -> Backend:
+    """The kind of document mask the model's attention layers take: a BlockMask only when
+    they run flex_attention, a dense mask otherwise (whatever the drafter uses)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if backend == "flex" and impl not in (None, "flex_attention"):
+        return "sdpa"
+    return backend
+
+
 class LayerTaps:
     """Forward hooks that keep the outputs of the tapped decoder layers of the last forward."""
 
@@ -186,7 +213,7 @@ class Target:
         self.base = base_model(model)
         self.head = TargetHead.from_model(model)
         self.taps = LayerTaps(model, layer_ids)
-        self.backend = backend
+        self.backend = mask_backend(model, backend)
         self.num_layers = len(decoder_layers(model))
         self.linear: PackedLinearAttention | None = None
         if is_hybrid(self.config):
@@ -263,7 +290,8 @@ class Target:
         docs = [torch.randint(0, self.head.vocab_size, (n,), generator=gen) for n in lengths]
         ids, positions, doc_ids = (t.to(self.device) for t in pack_documents(docs, padding))
         every = torch.arange(ids.shape[1], device=self.device)[None]
-        features, labels = self.forward_packed(ids, positions, doc_ids, every)
+        out = self.packed_outputs(ids, positions, doc_ids, every)
+        features, labels = out.features, out.next_tokens
         assert labels is not None
         tolerance = PACKING_TOLERANCE.get(self.head.weight.dtype, 1e-2)
         path = self.linear.path if self.linear is not None else "attention mask only"
@@ -297,7 +325,7 @@ class Target:
 
     def _document_alone(self, doc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The model's own forward of one document [n]: (taps [n, K*H], labels [n], fp32
-        logits [n, V]), the labels by the same chunked argmax as `forward_packed`."""
+        logits [n, V]), the labels by the same chunked argmax as `packed_outputs`."""
         with self.no_grad():
             last = self.base(input_ids=doc[None], use_cache=False).last_hidden_state
             positions = torch.arange(len(doc), device=doc.device)[None]

@@ -25,7 +25,14 @@ from flashdraft.data.inference import resolve_dtype
 from flashdraft.log import get_logger
 from flashdraft.model.attention import Backend
 from flashdraft.model.head import TargetHead
-from flashdraft.model.target import DTYPES, Target, TargetOutputs, decoder_layers, load_target
+from flashdraft.model.target import (
+    DTYPES,
+    Target,
+    TargetOutputs,
+    decoder_layers,
+    default_attention,
+    load_target,
+)
 from flashdraft.train.blocks import data_next_tokens
 from flashdraft.train.config import LossSection
 from flashdraft.train.packing import Row
@@ -135,8 +142,8 @@ def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -
     sharded = config.parallel.shard_target and plan.info.distributed
     if target_model is None:
         dtype = resolve_dtype(config.target.dtype, device.type)
-        attn = config.target.attn_implementation or (
-            "flex_attention" if device.type == "cuda" else "sdpa"
+        attn = config.target.attn_implementation or default_attention(
+            config.target.path, device.type
         )
         target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
         if sharded:

@@ -9,11 +9,11 @@ import types
 
 import pytest
 import torch
-from helpers import tiny_hybrid
+from helpers import tiny_hybrid, tiny_llama
 from transformers import Qwen3_5TextConfig, Qwen3Config
 
 from flashdraft.model import hybrid
-from flashdraft.model.target import Target, decoder_layers, pack_documents
+from flashdraft.model.target import Target, decoder_layers, default_attention, pack_documents
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 LENGTHS = [[37, 50, 11], [90, 20], [1, 2, 3, 100]]  # row 1 ends in padding; 1-token docs
@@ -44,7 +44,8 @@ def assert_packed_equals_alone(target: Target, rtol: float) -> None:
     vocab = target.head.vocab_size
     docs, ids, positions, doc_ids = packed_batch(vocab)
     every = torch.arange(ROW).expand(len(docs), ROW)
-    features, labels = target.forward_packed(ids, positions, doc_ids, every)
+    out = target.packed_outputs(ids, positions, doc_ids, every)
+    features, labels = out.features, out.next_tokens
     assert labels is not None
     hidden = target.config.hidden_size
     for r, row in enumerate(docs):
@@ -169,6 +170,32 @@ def test_on_cuda_fla_is_chosen_and_called_as_its_api_says(model, monkeypatch) ->
     assert kernels is None and "needs fla-core >= 0.5" in why
 
 
+def test_hybrids_load_with_sdpa_on_cuda_and_take_a_dense_mask(tmp_path) -> None:
+    """transformers refuses flex_attention for the hybrid classes: `flashdraft train` on CUDA
+    must not ask for it (it did: a load-time ValueError on the first GPU run), and a Target
+    given the trainer's "flex" backend must build the dense mask their sdpa layers take."""
+    hybrid_dir, dense_dir = tmp_path / "hybrid", tmp_path / "dense"
+    model = tiny_hybrid("qwen3_5")
+    model.save_pretrained(hybrid_dir)
+    tiny_llama().save_pretrained(dense_dir)
+    assert default_attention(str(hybrid_dir), "cuda") == "sdpa"
+    assert default_attention(str(dense_dir), "cuda") == "flex_attention"
+    assert default_attention(str(dense_dir), "cpu") == "sdpa"
+    flex = Target(model, [0, 3], "flex", linear_kernels="per-document")
+    assert flex.backend == "sdpa"
+    _, ids, positions, doc_ids = packed_batch(model.config.vocab_size)
+    got = flex.packed_outputs(ids, positions, doc_ids, None).features
+    flex.taps.remove()
+    assert flex.linear is not None
+    flex.linear.remove()
+    plain = Target(model, [0, 3], "sdpa", linear_kernels="per-document")
+    want = plain.packed_outputs(ids, positions, doc_ids, None).features
+    plain.taps.remove()
+    assert plain.linear is not None
+    plain.linear.remove()
+    assert torch.equal(got, want)
+
+
 def test_layer_types_and_unsupported_recurrent_layers() -> None:
     config = Qwen3_5TextConfig(num_hidden_layers=8)
     assert hybrid.is_hybrid(config)
@@ -246,7 +273,36 @@ def test_rollback_puts_a_hybrid_cache_back_exactly(model) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
-def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
+def test_fla_varlen_layers_equal_each_document_alone_on_cuda(kind) -> None:
+    """Each Gated DeltaNet layer on the same packed input: fla's varlen kernels vs the
+    module's own forward per document (bf16). Per layer, so that the MoE kinds' routing,
+    which a bf16 rounding difference can flip for a token, does not hide a kernel error or
+    fake one (the whole-model comparison below is for the dense-FFN kind)."""
+    kernels, why = hybrid.fla_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
+    _, _, _, doc_ids = packed_batch(model.config.vocab_size)
+    segments = hybrid.Segments.of(doc_ids.cuda())
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows, length = doc_ids.shape
+    x = torch.randn(1, rows * length, model.config.hidden_size, generator=gen, device="cuda")
+    x = x.to(torch.bfloat16)
+    layers = decoder_layers(model)
+    with torch.inference_mode():
+        for i, module in enumerate(hybrid.gated_delta_nets(layers, model.config)):
+            packed = hybrid.gated_delta_net_varlen(module, x, segments, kernels)
+            alone = torch.cat([module(x[:, s:e]) for s, e in segments.flat()], dim=1)
+            error = float((packed.float() - alone.float()).norm() / alone.float().norm())
+            assert error < 2e-2, (kind, i, error)
+
+
+@pytest.mark.gpu
+def test_fla_varlen_path_equals_the_per_document_path_on_cuda() -> None:
+    """The whole model (dense FFNs): fla's packed path vs the per-document fallback. On the
+    2026-12-01 H200 run the MoE kinds differed here by 0.04-0.11 (relative) while this kind
+    passed: routing flips under bf16 rounding; their layers are compared above."""
+    kind = "qwen3_5"
     kernels, why = hybrid.fla_kernels()
     if kernels is None:
         pytest.skip(why)
@@ -256,7 +312,7 @@ def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
     outputs = []
     for choice in (kernels, "per-document"):
         target = every_tap(model, linear_kernels=choice)
-        outputs.append(target.forward_packed(ids, positions, doc_ids, None)[0])
+        outputs.append(target.packed_outputs(ids, positions, doc_ids, None).features)
         if choice == "per-document":
             target.verify_taps()  # the start-up check passes in bf16
         target.taps.remove()
