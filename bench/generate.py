@@ -60,6 +60,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", choices=("hf", "static", "vllm"), default="hf")
     parser.add_argument("--synthetic", action="store_true", help="backends on random prompts")
     parser.add_argument("--backends", default="hf,static", help="--synthetic: backends to time")
+    parser.add_argument(
+        "--prompt-lengths", default=None, help="--synthetic: MIN,MAX prompt tokens (32,512)"
+    )
+    parser.add_argument(
+        "--buckets",
+        choices=("pow2", "ladder"),
+        default="pow2",
+        help="--synthetic: attention lengths of the static step: 128/192 x 2^i, or 128 x 2^i",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="--synthetic, CUDA: the top kernels by GPU time of the timed run",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
@@ -117,6 +131,17 @@ def synthetic_target(smoke: bool, device: str) -> Any:
     return model.eval().requires_grad_(False)
 
 
+def _profiler(enabled: bool) -> Any:
+    """torch.profiler over CPU and CUDA when enabled, else a no-op context."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
 def synthetic(args: argparse.Namespace, device: str) -> int:
     """Generated tokens/s of each backend on the same random prompts (issue 17's row)."""
     from flashdraft.data.inference import HFBackend, StaticBackend
@@ -131,7 +156,13 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
         model = synthetic_target(smoke, device)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(4 if smoke else 32, (12 if smoke else 512) + 1, (count,), generator=gen)
+    low, high = (4, 12) if smoke else (32, 512)
+    if args.prompt_lengths:
+        low, high = (int(x) for x in args.prompt_lengths.split(","))
+    lengths = torch.randint(low, high + 1, (count,), generator=gen)
+    from flashdraft.data.fast_inference import SlotDecoder
+
+    SlotDecoder.bucket_bases = (128, 192) if args.buckets == "ladder" else (128,)
     prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
     sampling = Sampling(max_new_tokens=new)
     never = [vocab + 1]  # a stop id no token can be: every request runs to max_new_tokens
@@ -150,18 +181,25 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        profiler = _profiler(args.profile and device.startswith("cuda"))
         start = time.perf_counter()
-        tokens = sum(
-            g.num_generated
-            for chunk in batches
-            for g in backend.generate(chunk, args.seed, lambda n: None)
-        )
+        with profiler:
+            tokens = sum(
+                g.num_generated
+                for chunk in batches
+                for g in backend.generate(chunk, args.seed, lambda n: None)
+            )
         seconds = time.perf_counter() - start
+        if args.profile and device.startswith("cuda"):
+            print(f"== {name}: top kernels by GPU time")
+            table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=18)
+            print(table)
         rows.append(
             {
                 "backend": name,
                 "prompts": count,
                 "batch/slots": batch,
+                "buckets": args.buckets if name == "static" else "-",
                 "new tokens": new,
                 "generated": tokens,
                 "s": round(seconds, 2),

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from flashdraft.model.static import TOKEN, StaticLM, capture, filter_logits, gumbel, preserved
 
-_ATTENTION_BUCKET = 128  # attention reads the first 128 * 2^i slots: few graphs, little waste
+_ATTENTION_BUCKET = 128  # cache rows are sized in multiples of this
 
 
 def cache_length(longest_prompt: int, max_new_tokens: int, sync_every: int) -> int:
@@ -127,12 +127,22 @@ class SlotDecoder:
             self._graphs[(k, kv_len)] = graph
         graph.replay()
 
+    # Attention reads the first kv_len slots of every row, kv_len = b * 2^i for a base b:
+    # each length is one set of graphs. Bases (128, 192) read at most 1.5x the slots the
+    # furthest request needs instead of 2x, but were slower end to end on an H200 (17.5K vs
+    # 19.9K tok/s, 2,048 prompts: the extra graph captures cost more than the reads saved;
+    # benchmarks/small_targets_h200_20261201.md), so powers of two stay the default.
+    bucket_bases: tuple[int, ...] = (128,)
+
     def _attention_length(self, furthest: int) -> int:
-        """The smallest 128 * 2^i slots (at most L) that hold positions up to `furthest`."""
-        length = _ATTENTION_BUCKET
-        while length <= furthest:
-            length *= 2
-        return min(length, self.max_len)
+        """The smallest ladder length (at most L) that holds positions up to `furthest`."""
+        best = self.max_len
+        for base in self.bucket_bases:
+            length = base
+            while length <= furthest:
+                length *= 2
+            best = min(best, length)
+        return best
 
     # ---- prefill: new prompts into free slots ----
 

@@ -32,7 +32,7 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(60) for _ in range(rng.randint(1, 20))] for _ in range(17)]
 
 
-def greedy_alone(model, prompt: list[int]) -> list[int]:
+def greedy_alone(model, prompt: list[int], stop: set[int] = STOP) -> list[int]:
     """HF generate on one unpadded prompt, cut after the first stop token (kept)."""
     ids = torch.tensor([prompt])
     out = model.generate(
@@ -41,9 +41,9 @@ def greedy_alone(model, prompt: list[int]) -> list[int]:
         do_sample=False,
         max_new_tokens=NEW,
         pad_token_id=0,
-        eos_token_id=sorted(STOP),
+        eos_token_id=sorted(stop) or [10**6],
     )[0, len(prompt) :].tolist()
-    end = next((i + 1 for i, t in enumerate(out) if t in STOP), len(out))
+    end = next((i + 1 for i, t in enumerate(out) if t in stop), len(out))
     return out[:end]
 
 
@@ -105,6 +105,31 @@ def test_prompts_must_fit_the_cache(model) -> None:
     with pytest.raises(ValueError, match="empty prompt"):
         decoder.generate([[]], [0])
     assert cache_length(30, 100, 8) == 256
+
+
+def test_attention_reads_the_smallest_ladder_length_that_holds_every_position(model) -> None:
+    decoder = SlotDecoder(model, 1, 1024, max_new_tokens=8)
+    furthest = [0, 127, 128, 191, 192, 255, 256, 383, 384, 767, 768, 1000, 5000]
+    lengths = [decoder._attention_length(f) for f in furthest]
+    assert lengths == [128, 128, 256, 256, 256, 256, 512, 512, 512, 1024, 1024, 1024, 1024]
+    decoder.bucket_bases = (128, 192)  # the finer ladder (bench/generate.py --buckets ladder)
+    lengths = [decoder._attention_length(f) for f in furthest]
+    assert lengths == [128, 128, 192, 192, 256, 256, 384, 384, 512, 768, 1024, 1024, 1024]
+
+
+def test_greedy_across_attention_lengths_equals_each_prompt_alone(model) -> None:
+    # Prompts of 110..200 tokens and 24 new ones, one at a time, on the finer ladder: 128, 192
+    # and 256 slots read.
+    rng = random.Random(2)
+    prompts = [[rng.randrange(60) for _ in range(n)] for n in (110, 160, 200)]
+    decoder = SlotDecoder(model, 1, cache_length(200, NEW, 4), max_new_tokens=NEW, sync_every=4)
+    decoder.bucket_bases = (128, 192)
+    seen: set[int] = set()
+    step = decoder._run_step
+    decoder._run_step = lambda k, kv_len: (seen.add(kv_len), step(k, kv_len))[1]  # type: ignore[method-assign]
+    out = decoder.generate(prompts, [0, 1, 2])
+    assert seen == {128, 192, 256}
+    assert out == [greedy_alone(model, p, stop=set()) for p in prompts]
 
 
 def test_bench_synthetic_smoke_runs_on_cpu() -> None:

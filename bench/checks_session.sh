@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Short GPU checks that ride along the first call of a quality session (bench/quality_session.sh
+# `one` only installs wheels and unpacks prompts; the GPU is idle meanwhile). Device tool `run`,
+# kind nvidia-h200, e.g. with carry [".whl/smol", ".whl/fla", ".gguf/partaa", ".qcarry"]:
+#   bash bench/quality_session.sh one && bash bench/checks_session.sh generate hybrid
+# Stages (each bounded by its own timeout; logs in $OUT):
+#   generate  issue 17: static-slot generation, synthetic SmolLM2-shaped target, prompts of
+#             200..1200 tokens (the reference run's lengths), 192 new tokens: attention
+#             lengths in powers of two vs the 128/192 ladder, 256 vs 512 slots, and a profile
+#             (2026-12-01: the profile of 512 prompts overran its 100 s; give it fewer)
+#   hybrid    issue 20: the GPU tests of the hybrid (fla varlen) path and of the graphed
+#             decoders, then the Qwen3.6-27B-shaped bench against its dense stand-in
+# Wheels for `hybrid`: `bash bench/fla_wheels.sh` (fla-core, einops) into .whl/fla.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+export FLASHDRAFT_COMMIT=${FLASHDRAFT_COMMIT:-unknown} FLASHDRAFT_CACHE=/tmp/flashdraft-cache
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+
+step() {  # step NAME SECONDS COMMAND...: one bounded step, its log in $OUT/NAME.txt
+  local name=$1 seconds=$2
+  shift 2
+  timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
+  echo "== $name exit $?"
+  grep -v "Loading weights" "$OUT/$name.txt" | tail -n "${TAIL:-25}"
+}
+
+for stage in "$@"; do
+  case $stage in
+  generate)
+    common=(--synthetic --backends static --prompts 2048 --prompt-lengths 200,1200
+      --max-new-tokens 192)
+    step gen_pow2_256 90 python3 bench/generate.py "${common[@]}" --batch-size 256
+    step gen_ladder256 90 python3 bench/generate.py "${common[@]}" --batch-size 256 --buckets ladder
+    step gen_pow2_512 90 python3 bench/generate.py "${common[@]}" --batch-size 512
+    TAIL=45 step gen_profile 100 python3 bench/generate.py --synthetic --backends static \
+      --prompts 128 --prompt-lengths 200,1200 --max-new-tokens 192 --batch-size 128 --profile
+    ;;
+  hybrid)
+    $PIP --target /tmp/site .whl/fla/*.whl || exit 1
+    step gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_hybrid.py \
+      tests/data/test_fast_inference.py tests/eval/test_fast.py
+    TAIL=40 step trainer_27b_hybrid "${BENCH_S:-200}" python3 bench/trainer.py \
+      --geometry 27b-hybrid --compare-paths --rows 8192 --warmup 2 --iters 6
+    ;;
+  *)
+    echo "unknown stage $stage (generate, hybrid)"
+    exit 2
+    ;;
+  esac
+done
