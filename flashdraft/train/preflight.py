@@ -90,6 +90,14 @@ def estimate(
     soft = config.loss.soft_top_k if config.loss.labels == "soft" else 0
     slots = config.loss.anchors * (drafter.block_size - 1)
     soft_labels = {"soft labels (top-k ids + fp32 probs)": float(slots * soft * (8 + 4))}
+    # Targets whose attention is not flex (hybrids: transformers has none; or a configured
+    # implementation) take the packed row's document mask dense: [T, T] booleans, and SDPA's
+    # additive copy of it in the target dtype.
+    dense = linear_layer_ids(target_config) or config.target.attn_implementation not in (
+        None,
+        "flex_attention",
+    )
+    mask = {"dense document mask [T, T] (sdpa)": float(t * t * (1 + dtype_bytes))}
     return MemoryEstimate(
         {
             "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
@@ -104,6 +112,7 @@ def estimate(
             * (drafter.num_hidden_layers * 6 * kv_dim * 4 + 8 * h),
             "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
             **(soft_labels if soft else {}),
+            **(mask if dense else {}),
         }
     )
 

@@ -81,3 +81,21 @@ def test_a_hybrid_target_is_estimated_with_its_linear_attention_layers(setup) ->
     assert per_token == 2 * 38912 + 4 * 18528 + 4 * 12288 + 4 * 9216
     assert per_token > 2 * (3 * 17408 + 6 * 5120)
     assert terms["target activations"] == config.data.row_tokens * per_token
+
+
+def test_a_dense_document_mask_is_counted_where_the_target_takes_one(setup) -> None:
+    """Hybrids load with sdpa (no flex in transformers) and take the row's mask dense; a
+    dense target with flex does not; a configured non-flex implementation does."""
+    config, drafter, target = setup
+    name = "dense document mask [T, T] (sdpa)"
+    assert name not in preflight.estimate(config, drafter, target, 10**6).terms
+    hybrid = qwen3_6_27b_text_config()
+    hybrid_drafter = DrafterConfig.from_target_config(hybrid, mask_token_id=248070)
+    terms = preflight.estimate(config, hybrid_drafter, hybrid, 10**6).terms
+    t = config.data.row_tokens
+    assert terms[name] == t * t * 3  # bool + bf16 additive copy
+    sdpa = load_run_config(
+        None,
+        ["output=x", "target.path=x", 'data.datasets=["z"]', 'target.attn_implementation="sdpa"'],
+    )
+    assert name in preflight.estimate(sdpa, drafter, target, 10**6).terms
