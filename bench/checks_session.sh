@@ -6,7 +6,8 @@
 # Stages (each bounded by its own timeout; logs in $OUT):
 #   generate  issue 17: static-slot generation, synthetic SmolLM2-shaped target, prompts of
 #             200..1200 tokens (the reference run's lengths), 192 new tokens: attention
-#             lengths in powers of two vs the 128/192 ladder, 256 vs 512 slots, and a profile
+#             lengths in powers of two vs the 128/192 ladder, 256 vs 512 slots, sdpa vs flex
+#             (each slot reads its own K/V blocks), and a profile
 #             (2026-12-01: the profile of 512 prompts overran its 100 s; give it fewer)
 #   hybrid    issue 20: the GPU tests of the hybrid (fla varlen) path and of the graphed
 #             decoders, then the Qwen3.6-27B-shaped bench against its dense stand-in
@@ -34,6 +35,8 @@ for stage in "$@"; do
     step gen_pow2_256 90 python3 bench/generate.py "${common[@]}" --batch-size 256
     step gen_ladder256 90 python3 bench/generate.py "${common[@]}" --batch-size 256 --buckets ladder
     step gen_pow2_512 90 python3 bench/generate.py "${common[@]}" --batch-size 512
+    step gen_flex_256 120 python3 bench/generate.py "${common[@]}" --batch-size 256 --attention flex
+    step gen_flex_512 120 python3 bench/generate.py "${common[@]}" --batch-size 512 --attention flex
     TAIL=45 step gen_profile 100 python3 bench/generate.py --synthetic --backends static \
       --prompts 128 --prompt-lengths 200,1200 --max-new-tokens 192 --batch-size 128 --profile
     ;;

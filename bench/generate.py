@@ -70,6 +70,12 @@ def parse_args() -> argparse.Namespace:
         help="--synthetic: attention lengths of the static step: 128/192 x 2^i, or 128 x 2^i",
     )
     parser.add_argument(
+        "--attention",
+        choices=("sdpa", "flex"),
+        default="sdpa",
+        help="--synthetic: the static step's attention (flex: each slot reads its own blocks)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="--synthetic, CUDA: the top kernels by GPU time of the timed run",
@@ -172,7 +178,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
             backend: Any = HFBackend(model, sampling, never, pad_id=0)
             batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         elif name == "static":
-            backend = StaticBackend(model, sampling, never, slots=batch)
+            backend = StaticBackend(model, sampling, never, slots=batch, attention=args.attention)
             batches = [prompts]
         else:
             raise ValueError(f"--backends: {name!r} (hf, static)")
@@ -200,6 +206,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
                 "prompts": count,
                 "batch/slots": batch,
                 "buckets": args.buckets if name == "static" else "-",
+                "attention": args.attention if name == "static" else "-",
                 "new tokens": new,
                 "generated": tokens,
                 "s": round(seconds, 2),

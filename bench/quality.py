@@ -125,6 +125,9 @@ class QualityConfig:
     )
     top_p: float = option(0.95, gt=0, le=1, help="nucleus share of the sampled answers")
     gen_batch: int = option(256, ge=1, help="prompts per generation batch")
+    gen_attention: Literal["sdpa", "flex"] = option(
+        "sdpa", help="attention of the static generation steps (`generate --static-attention`)"
+    )
     gen_chunk: int = option(
         8192, ge=1, help="prompts per generate call (the deadline is checked between calls)"
     )
@@ -346,6 +349,7 @@ class Pipeline:
             sampling=sampling,
             seed=seed,
             batch_size=self.config.gen_batch,
+            static_attention=self.config.gen_attention,
             limit=limit,
             device=self.device,
             progress=False,

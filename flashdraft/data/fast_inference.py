@@ -62,7 +62,8 @@ class SlotDecoder:
     model: a frozen HF causal LM that `StaticLM` supports; max_len: cache slots per row
     (`cache_length`); stop_ids end a request (the stop token is kept in its tokens);
     sync_every: steps between host reads; prefill_tokens: prompt tokens (padded) per prefill
-    batch; graphs: capture the steps (default: on CUDA).
+    batch; graphs: capture the steps (default: on CUDA); attention: the steps' attention,
+    "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks).
     """
 
     def __init__(
@@ -79,8 +80,9 @@ class SlotDecoder:
         sync_every: int = 8,
         prefill_tokens: int = 16384,
         graphs: bool | None = None,
+        attention: str = "sdpa",
     ) -> None:
-        self.lm = StaticLM(model, slots, max_len)
+        self.lm = StaticLM(model, slots, max_len, attention=attention)
         self.slots, self.max_len, self.max_new = slots, max_len, max_new_tokens
         self.stop = frozenset(stop_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p

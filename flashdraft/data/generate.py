@@ -103,6 +103,11 @@ class GenerateConfig:
     max_batch_tokens: int | None = option(
         None, ge=1, help="token budget per batch: rows × (longest prompt + max new tokens)"
     )
+    static_attention: Literal["sdpa", "flex"] = option(
+        "sdpa",
+        help="static backend: the decode steps' attention (flex: each slot reads only its own "
+        "K/V blocks, not every slot up to the longest request's position)",
+    )
     sort_window: int = option(4096, ge=1, help="prompts read ahead and sorted by length at once")
     limit: int | None = option(
         None, ge=0, help="only the first N prompts of the input (done ones included)"
@@ -303,6 +308,7 @@ def generate(config: GenerateConfig, summary: Summary | None = None) -> Summary:
         vllm_kwargs=config.vllm_kwargs,
         batch_size=config.batch_size,
         max_batch_tokens=config.max_batch_tokens,
+        static_attention=config.static_attention,
     )
     return run_generation(config, backend, tokenizer, output=output, summary=summary)
 

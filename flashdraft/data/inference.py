@@ -231,6 +231,7 @@ class StaticBackend:
         max_batch_tokens: int | None = None,
         sync_every: int = 8,
         graphs: bool | None = None,
+        attention: str = "sdpa",
     ):
         reason = unsupported_reason(model)
         if reason is not None:
@@ -239,7 +240,7 @@ class StaticBackend:
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_positions = limit if isinstance(limit, int) else None
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
-        self.sync_every, self.graphs = sync_every, graphs
+        self.sync_every, self.graphs, self.attention = sync_every, graphs, attention
         self._decoder: SlotDecoder | None = None
 
     def _decoder_for(self, prompts: list[list[int]]) -> SlotDecoder:
@@ -264,6 +265,7 @@ class StaticBackend:
             top_p=1.0 if s.greedy else s.top_p,
             sync_every=self.sync_every,
             graphs=self.graphs,
+            attention=self.attention,
         )
         log.info(f"generate: static cache of {slots} slots x {length} positions")
         return self._decoder
@@ -348,6 +350,7 @@ def load_backend(
     vllm_kwargs: dict[str, Any] | None = None,
     batch_size: int = 32,
     max_batch_tokens: int | None = None,
+    static_attention: str = "sdpa",
 ) -> GenerationBackend:
     """`auto` is vLLM when it is installed and a GPU is there; else, on a GPU, the static
     backend when it supports the target; else HF. `batch_size` is the static backend's
@@ -370,6 +373,11 @@ def load_backend(
             log.info(f"generate: the HF backend runs: the static one does not support {reason}")
     if name == "static":
         return StaticBackend(
-            model, sampling, stop_ids, slots=batch_size, max_batch_tokens=max_batch_tokens
+            model,
+            sampling,
+            stop_ids,
+            slots=batch_size,
+            max_batch_tokens=max_batch_tokens,
+            attention=static_attention,
         )
     return HFBackend(model, sampling, stop_ids, pad_id)

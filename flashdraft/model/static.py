@@ -33,10 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+FLEX_BLOCK = 128  # K/V slots per flex block; cache rows are multiples of it
+# Compiled once at module scope (STYLE); the CPU runs flex eagerly (tests, correctness only).
+_compiled_flex = torch.compile(flex_attention, dynamic=False)
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 
 
@@ -110,7 +114,12 @@ class StaticLM:
         tap_ids: Sequence[int] = (),
         *,
         dtype: torch.dtype | None = None,
+        attention: str = "sdpa",
     ) -> None:
+        """attention: "sdpa" (a boolean mask over the first kv_len slots of every row), or
+        "flex" for one-token steps of every row (decoding): flex_attention with a block mask
+        that reads only the 128-slot blocks up to each row's own position (the K/V of a
+        short request is not read up to the longest one's); other calls use sdpa."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"static decoding does not support this target: {reason}")
@@ -140,6 +149,14 @@ class StaticLM:
         self.keys = [self._zeros(shape) for _ in self.layers]
         self.values = [self._zeros(shape) for _ in self.layers]
         self._slots = torch.arange(max_len, device=self.device)
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention {attention!r}: sdpa or flex")
+        if attention == "flex" and max_len % FLEX_BLOCK:
+            raise ValueError(f"flex decoding needs rows of a multiple of {FLEX_BLOCK} slots")
+        self.attention = attention
+        blocks = torch.arange(max_len // FLEX_BLOCK, dtype=torch.int32, device=self.device)
+        self._kv_indices = blocks[None, None, None, :]  # every row reads blocks 0, 1, ...
+        self._flex = _compiled_flex if self.device.type == "cuda" else flex_attention
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -166,13 +183,41 @@ class StaticLM:
             )
         return masks
 
+    def _block_masks(self, positions: Tensor, kv_len: int) -> dict[int | None, BlockMask]:
+        """Flex block masks for one query per row at positions [R, 1], one per distinct
+        window: row r reads blocks 0 .. positions[r] // 128 (device arithmetic only, so a
+        CUDA graph replays it), and within them the same rule as `_masks`."""
+        rows = positions.shape[0]
+        count = (positions[:, 0] // FLEX_BLOCK + 1).to(torch.int32)
+        num_blocks = kv_len // FLEX_BLOCK
+        indices = self._kv_indices[..., :num_blocks].expand(rows, 1, 1, num_blocks)
+        at = positions[:, 0]
+        masks = {}
+        for window in set(self.windows):
+
+            def visible(
+                b: Tensor, h: Tensor, q: Tensor, kv: Tensor, w: int | None = window
+            ) -> Tensor:
+                seen = kv <= at[b]
+                return seen if w is None else seen & (at[b] - kv < w)
+
+            masks[window] = BlockMask.from_kv_blocks(
+                count[:, None, None],
+                indices,
+                BLOCK_SIZE=FLEX_BLOCK,
+                mask_mod=visible,
+                seq_lengths=(1, kv_len),
+                compute_q_blocks=False,  # forward only: no transposed (backward) indices
+            )
+        return masks
+
     def _attention(
         self,
         i: int,
         x: Tensor,
         rope: tuple[Tensor, Tensor],
         positions: Tensor,
-        mask: Tensor,
+        mask: Tensor | BlockMask,
         rows: Tensor | None,
         kv_len: int,
     ) -> Tensor:
@@ -199,6 +244,12 @@ class StaticLM:
             keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
             values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
             keys, values = keys[rows, :, :kv_len], values[rows, :, :kv_len]
+        if isinstance(mask, BlockMask):
+            flex = self._flex(
+                q, keys, values, block_mask=mask, scale=self.scale, enable_gqa=hq != hkv
+            )  # [R, Hq, n, D]
+            assert isinstance(flex, Tensor)
+            return attn.o_proj(flex.transpose(1, 2).reshape(r, n, hq * d))
         g = hq // hkv
         out = F.scaled_dot_product_attention(
             q.reshape(r, hkv, g * n, d), keys, values, attn_mask=mask, scale=self.scale
@@ -224,7 +275,11 @@ class StaticLM:
         kv_len = kv_len or self.max_len
         x = self.embed(ids)
         rope = self.rotary(x, positions)  # cos, sin [R, n, D] in x's dtype
-        masks = self._masks(positions, kv_len)
+        masks: dict[int | None, Any]
+        if self.attention == "flex" and rows is None and ids.shape[1] == 1:
+            masks = self._block_masks(positions, kv_len)
+        else:
+            masks = self._masks(positions, kv_len)
         wanted = set(self.tap_ids)
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):

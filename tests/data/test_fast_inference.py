@@ -147,19 +147,35 @@ def test_bench_synthetic_smoke_runs_on_cpu() -> None:
 
 
 @pytest.mark.gpu
-def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention) -> None:
+    """Graphed steps (compiled flex for "flex") give the eager sdpa steps' tokens; prompts
+    of up to 150 tokens put the slots in different flex blocks."""
     model = tiny_llama(initializer_range=0.3).cuda()
+    rng = random.Random(3)
+    prompts = prompts + [[rng.randrange(60) for _ in range(n)] for n in (120, 150)]
     outputs = []
-    for graphs in (False, True):
+    for graphs, kind in ((False, "sdpa"), (True, attention)):
         decoder = SlotDecoder(
             model,
             5,
-            cache_length(20, NEW, 4),
+            cache_length(150, NEW, 4),
             max_new_tokens=NEW,
             stop_ids=STOP,
             sync_every=4,
             graphs=graphs,
+            attention=kind,
         )
         outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
     assert outputs[0] == outputs[1]
     assert outputs[0] == [greedy_alone(model, p) for p in prompts]
+
+
+def test_flex_slots_equal_each_prompt_alone(model, prompts) -> None:
+    length = cache_length(max(len(p) for p in prompts), NEW, 4)
+    decoder = SlotDecoder(
+        model, 5, length, max_new_tokens=NEW, stop_ids=STOP, sync_every=4, attention="flex"
+    )
+    assert decoder.generate(prompts, list(range(len(prompts)))) == [
+        greedy_alone(model, p) for p in prompts
+    ]

@@ -358,15 +358,20 @@ def test_generate_is_the_whole_command(tmp_path: Path, smollm2_dir: Path) -> Non
 def test_the_static_backend_writes_the_hf_backends_records(
     tmp_path: Path, smollm2_dir: Path
 ) -> None:
-    """`--backend static` (slots on a static cache) writes the same records as `--backend hf`
-    at T = 0; the backend is not a recorded setting, so either may resume the other's output."""
+    """`--backend static` (slots on a static cache, sdpa or flex steps) writes the same
+    records as `--backend hf` at T = 0; the backend is not a recorded setting, so either may
+    resume the other's output."""
     prompts = _write_jsonl(
         tmp_path / "p.jsonl",
         [{"prompt": "What is 2+2?"}, {"prompt": "Name a color."}, {"prompt": "Say hi."}],
     )
     outputs = {}
-    for backend in ("hf", "static"):
-        out = tmp_path / f"{backend}.jsonl"
+    for name, backend, attention in (
+        ("hf", "hf", "sdpa"),
+        ("static", "static", "sdpa"),
+        ("static-flex", "static", "flex"),  # --static-attention flex
+    ):
+        out = tmp_path / f"{name}.jsonl"
         config = GenerateConfig(
             target=str(smollm2_dir),
             prompts=[str(prompts)],
@@ -377,7 +382,9 @@ def test_the_static_backend_writes_the_hf_backends_records(
             device="cpu",
             keep_truncated=True,
             progress=False,
+            static_attention=attention,
         )
         assert generate(config).backend == backend
-        outputs[backend] = _read_jsonl(out)
+        outputs[name] = _read_jsonl(out)
     assert outputs["static"] == outputs["hf"] and len(outputs["hf"]) == 3
+    assert outputs["static-flex"] == outputs["hf"]
