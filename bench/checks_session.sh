@@ -9,6 +9,7 @@
 #             lengths in powers of two vs the 128/192 ladder, 256 vs 512 slots, sdpa vs flex
 #             (each slot reads its own K/V blocks), and a profile
 #             (2026-12-01: the profile of 512 prompts overran its 100 s; give it fewer)
+#   smol      issue 17: the SmolLM2-shaped online step at 8192- vs 32768-token rows
 #   hybrid    issue 20: the GPU tests of the hybrid (fla varlen) path and of the graphed
 #             decoders, then the Qwen3.6-27B-shaped bench against its dense stand-in
 # Wheels for `hybrid`: `bash bench/fla_wheels.sh` (fla-core, einops) into .whl/fla.
@@ -40,6 +41,15 @@ for stage in "$@"; do
     TAIL=45 step gen_profile 100 python3 bench/generate.py --synthetic --backends static \
       --prompts 128 --prompt-lengths 200,1200 --max-new-tokens 192 --batch-size 128 --profile
     ;;
+  smol)
+    # issue 17's online step: SmolLM2-135M-shaped target + 3-layer drafter, 8192-token rows
+    # (the goal's shape) against 32768-token rows with 4x the anchors: whether more tokens
+    # per step (what R > 1 rows per micro-batch would give) lifts tokens/s
+    shape=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --skip-overlap-off --warmup 3 --iters 10)
+    TAIL=12 step smol_8192 200 python3 bench/trainer.py "${shape[@]}" --rows 8192 --anchors 512
+    TAIL=12 step smol_32768 200 python3 bench/trainer.py "${shape[@]}" --rows 32768 --anchors 2048
+    ;;
   hybrid)
     $PIP --target /tmp/site .whl/fla/*.whl || exit 1
     step gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_hybrid.py \
@@ -47,8 +57,12 @@ for stage in "$@"; do
     TAIL=40 step trainer_27b_hybrid "${BENCH_S:-200}" python3 bench/trainer.py \
       --geometry 27b-hybrid --compare-paths --rows 8192 --warmup 2 --iters 6
     ;;
+  dense)  # the hybrid's dense stand-in (64 x 5120, full attention everywhere), same rows
+    TAIL=40 step trainer_27b_dense "${BENCH_S:-200}" python3 bench/trainer.py \
+      --geometry 27b-dense --rows 8192 --warmup 2 --iters 6
+    ;;
   *)
-    echo "unknown stage $stage (generate, hybrid)"
+    echo "unknown stage $stage (generate, smol, hybrid, dense)"
     exit 2
     ;;
   esac
