@@ -10,11 +10,13 @@
 #                         typing-inspection, typing-extensions >= 4.16), datasets (-> dill,
 #                         multiprocess)
 #   specforge 0.2.0    -> nothing beyond the image for its DFlash model and optimizer
+#   bench/peer_recipe.py (speculators' own settings schema and verifier-weight loader)
+#                      -> pydantic-settings (-> python-dotenv), loguru
 # Versions are the ones pip resolves for speculators 0.9.0 today, pinned so the bundle is
 # reproducible. Their declared pins that we do NOT honour: specforge wants torch==2.11.0 (the
 # image has it), transformers==5.8.1 (the image has 5.17), sglang==0.5.14, wandb, yunchang,
 # tensorboard, openai-harmony (none imported by its DFlash path); speculators wants
-# torchvision/torchaudio and loguru/pydantic-settings (not imported on this path).
+# torchvision/torchaudio (not imported on either path).
 #
 #   bash bench/peers_wheels.sh                  # then carry .whl to the device (see README)
 #   bash bench/peers_wheels.sh pyarrow==26.0.1  # extra wheels, if the image's turn out too old
@@ -39,6 +41,9 @@ WHEELS=(
   datasets==5.1.0
   dill==0.4.1
   multiprocess==0.70.19
+  pydantic-settings==2.16.3
+  python-dotenv==1.2.4
+  loguru==0.7.3
   "$@"
 )
 

@@ -56,7 +56,7 @@
 # ~3 min, generation 2 x 30K answers x ~150 tokens ~5 min at 30K tok/s, training ~2 epochs
 # (~12K steps at ~66 ms, in-training evals included) ~15-20 min, eval ~2-3 min.
 set -u
-stage=${1:?one|part|two|more|ablate NAME KEY=VALUE...}
+stage=${1:?one|part|two|more|peer|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -143,6 +143,20 @@ two)
 more)
   quality more all --deadline 540
   ;;
+peer)
+  # issue 18's peer recipe: speculators' DFlash model, loss and optimizer on the same data,
+  # rows and steps (bench/peer_recipe.py); carry .whl/peers
+  # (`WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh`, 7.3 MB). A second call resumes at
+  # the eval when the training finished.
+  $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1 || true
+  PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout 585 python3 bench/peer_recipe.py \
+    --data "$RUN_DIR/data" --output "$RUN_DIR/runs/peer-speculators" --eval-prompts \
+    "$RUN_DIR"/prompts/held_out/chat.jsonl "$RUN_DIR"/prompts/held_out/humaneval.jsonl \
+    "$RUN_DIR"/prompts/held_out/code.jsonl > "$OUT/peer.txt" 2>&1
+  echo "== peer exit $?"
+  grep -v "Loading weights" "$OUT/peer.txt" | tail -n 30
+  cp "$RUN_DIR"/runs/peer-speculators/report.json "$OUT/peer_report.json" 2>/dev/null
+  ;;
 ablate)
   name=${2:?ablate NAME KEY=VALUE...}
   shift 2
@@ -151,7 +165,7 @@ ablate)
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)
-  echo "unknown stage $stage (one|part|two|more|ablate)"
+  echo "unknown stage $stage (one|part|two|more|peer|ablate)"
   exit 2
   ;;
 esac

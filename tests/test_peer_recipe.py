@@ -1,0 +1,80 @@
+"""bench/peer_recipe.py: the peer trains on the rows of bench/quality.py's run, and (slow,
+speculators installed) the whole recipe in its smoke size: train, export, load, eval."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench() -> dict[str, ModuleType]:
+    """bench/peer_recipe.py and bench/quality.py as modules (they import their neighbours)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return {name: importlib.import_module(name) for name in ("peer_recipe", "quality")}
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_the_peer_trains_on_the_rows_of_the_quality_run(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """Same data, target, packing, anchors budget, drafter geometry, seed and steps as the
+    run config bench/quality.py's train stage builds: only where it writes and the
+    in-training eval differ (speculators' Trainer has none)."""
+    common = ["--target", "/models/smol", "--steps", "100", "--device", "cpu"]
+    _, quality_config, _ = bench["quality"].parse(["train", "--output", str(tmp_path), *common])
+    ours = bench["quality"].Pipeline(quality_config, []).run_config().to_dict()
+    config = bench["peer_recipe"].parse(
+        ["--data", str(tmp_path / "data"), "--output", str(tmp_path / "peer"), *common]
+    )
+    assert config.data is not None
+    theirs = bench["peer_recipe"].run_config(config, config.data, "/models/smol", "cpu").to_dict()
+    assert theirs["eval"]["every"] == 0
+    for run in (ours, theirs):
+        del run["output"], run["eval"]
+    assert theirs == ours
+
+
+@pytest.mark.slow
+def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
+    """speculators' DFlash trained on flashdraft's rows and taps of a tiny random target: the
+    loss falls, its labels are the target's argmax, its own checkpoint and the dflash export
+    load through flashdraft's loader as the same drafter, the held-out eval runs; a second
+    call finds the training done and only evaluates."""
+    pytest.importorskip("speculators")
+    from flashdraft.train.checkpoint import load_drafter
+
+    out = tmp_path / "p"
+    command = [sys.executable, str(ROOT / "bench" / "peer_recipe.py"), "--smoke"]
+    command += ["--output", str(out)]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    result = json.loads(first.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 8 and result["peer_version"] == "0.9.0"
+    history = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in history] == list(range(1, 9))
+    assert result["loss_last"] < result["loss_first"]
+    assert result["label_agreement"] == 1.0  # fp32 on the CPU: no ties to excuse
+    for folder in ("speculators", "export"):
+        drafter = load_drafter(str(out / folder))
+        assert json.loads(json.dumps(dataclasses.asdict(drafter.config))) == result["drafter"]
+    assert result["export"]["same_weights"] is True
+    assert result["eval"] and all(e["tau"] >= 1.0 for e in result["eval"].values())
+    assert any("D-PACE" in line or "dpace" in line for line in result["caveats"])
+    assert result["speculators_settings"]["optimizer"] == "muon"
+
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "trained already" in again.stdout + again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["eval"] == result["eval"]
