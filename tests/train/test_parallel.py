@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -54,10 +55,10 @@ def _same_curve(got: list[dict], want: list[dict]) -> None:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
 
 
+# Colocated (2 replicas x 1 row) is test_two_colocated_processes_match_one_and_resume_on_one.
 @pytest.mark.parametrize(
     ("placement", "extra"),
     [
-        ("colocated", {"optim.grad_accum": 1}),  # 2 replicas x 1 row
         (
             "split",
             {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
@@ -111,21 +112,35 @@ def test_fsdp_drafter_matches_one_process_and_exports_full_weights(
         assert torch.equal(tensor, final[name].to(tensor.dtype)), name
 
 
-def test_resume_on_a_different_world_size(tmp_path, tiny_qwen3_dir, qwen_data, single) -> None:
-    """Checkpoints hold full state and a global row cursor: 2 processes -> 1 process."""
+def test_two_colocated_processes_match_one_and_resume_on_one(
+    tmp_path, tiny_qwen3_dir, qwen_data, single
+) -> None:
+    """Colocated, 2 replicas x 1 row: the same curve as one process. Checkpoints hold full
+    state and a global row cursor: the run as it stood at its step-4 checkpoint resumes on 1
+    process (2 rows per step, the same global batch) to the same curve. One torchrun launch
+    serves both checks."""
+    two = tmp_path / "colocated"
+    extra = {"optim.max_steps": 8, "optim.grad_accum": 1, "checkpoint.every": 4}
+    out = _torchrun(2, train_settings(two, tiny_qwen3_dir, qwen_data, **extra))
+    assert "target layers sharded" not in out
+    _same_curve(read_metrics(two), single)
+    assert (two / "export" / "model.safetensors").exists()
+
+    # 2 processes -> 1 process, from what the run held after its step-4 checkpoint: its
+    # config, that checkpoint, the metrics up to step 4 (so every later line is the resume's).
     run = tmp_path / "run"
-    two = train_settings(
-        run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 4, "checkpoint.every": 4}
-    )
-    _torchrun(2, two)
+    shutil.copytree(two / "checkpoints" / "step_00000004", run / "checkpoints" / "step_00000004")
+    shutil.copy(two / "run_config.json", run / "run_config.json")
+    lines = (two / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 4))
     state = json.loads((run / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert state["cursor"] == 8 and state["dp_world"] == 2
-    # One process, two rows per step: the same global batch, so the same curve as the control.
     one = train_settings(
         run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2}
     )
     assert cli.main(["train", *one, "--resume"]) == 0
     _same_curve(read_metrics(run), single)
+    assert (run / "checkpoints" / "step_00000008").exists()
 
 
 def test_split_placement_needs_a_drafter_rank() -> None:

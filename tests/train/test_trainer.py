@@ -140,9 +140,9 @@ def test_every_micro_batch_is_normalised_by_the_whole_step(
 def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
     monkeypatch, tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:
-    """Step 6's loss is poisoned with NaN. The guard catches it on the device; the run stops
-    at the next point where it syncs anyway (the log at step 8), naming step 6, before the
-    checkpoint of step 8 is written; the checkpoint of step 4 is intact, and resuming from it
+    """Step 3's loss is poisoned with NaN. The guard catches it on the device; the run stops
+    at the next point where it syncs anyway (the log at step 4), naming step 3, before the
+    checkpoint of step 4 is written; the checkpoint of step 2 is intact, and resuming from it
     gives the uninterrupted run."""
     import flashdraft.train.trainer as train_module
 
@@ -152,9 +152,9 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
     def poisoned(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         calls.append(1)
-        return (loss * float("nan") if len(calls) == 6 else loss), stats
+        return (loss * float("nan") if len(calls) == 3 else loss), stats
 
-    extra = {"optim.max_steps": 12, "checkpoint.every": 4, "log.every": 4}
+    extra = {"optim.max_steps": 6, "checkpoint.every": 2, "log.every": 2}
     reference = tmp_path / "reference"
     assert cli.main(["train", *train_settings(reference, tiny_qwen3_dir, qwen_data, **extra)]) == 0
 
@@ -163,9 +163,9 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
     monkeypatch.setattr(train_module, "draft_loss", poisoned)
     capsys.readouterr()
     assert cli.main(["train", *settings]) == 1  # a run that stopped itself, in one line
-    assert "flashdraft train: error: loss is not finite at step 6;" in capsys.readouterr().err
-    assert [step for step, _ in complete_checkpoints(str(run))] == [4]
-    assert [r["step"] for r in read_metrics(run)] == [4]
+    assert "flashdraft train: error: loss is not finite at step 3;" in capsys.readouterr().err
+    assert [step for step, _ in complete_checkpoints(str(run))] == [2]
+    assert [r["step"] for r in read_metrics(run)] == [2]
     assert not (run / "export").exists()
     weights = load_drafter(str(run)).state_dict()
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -173,7 +173,7 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
     monkeypatch.setattr(train_module, "draft_loss", real)
     assert cli.main(["train", *settings, "--resume"]) == 0
     resumed, expected = read_metrics(run), read_metrics(reference)
-    assert [r["step"] for r in resumed] == [r["step"] for r in expected] == [4, 8, 12]
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected] == [2, 4, 6]
     for got, want in zip(resumed, expected, strict=True):
         for key in ("loss", "tau_hat", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
