@@ -333,19 +333,6 @@ class Target:
             logits = self.head.logits(last[0])
         return self.taps.features()[0], labels, logits
 
-    def forward_packed(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor,
-        doc_ids: Tensor,
-        label_positions: Tensor | None,
-        chunk_rows: int = 4096,
-    ) -> tuple[Tensor, Tensor | None]:
-        """One packed forward: (taps [R, T, K*H], argmax next tokens at label_positions);
-        `packed_outputs` without soft labels."""
-        out = self.packed_outputs(input_ids, position_ids, doc_ids, label_positions, chunk_rows)
-        return out.features, out.next_tokens
-
     def packed_outputs(
         self,
         input_ids: Tensor,

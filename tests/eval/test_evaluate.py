@@ -87,9 +87,8 @@ def fit_drafter(smol, chats, steps: int = 100) -> DFlashDrafter:
         docs = torch.zeros_like(ids)
         loss_mask = (positions >= start).long()
         anchors = torch.arange(start, length - 1)[None]
-        features, labels = target.forward_packed(
-            ids, positions, docs, label_positions(anchors, BLOCK, length)
-        )
+        out = target.packed_outputs(ids, positions, docs, label_positions(anchors, BLOCK, length))
+        features, labels = out.features, out.next_tokens
         assert labels is not None
         valid = torch.ones_like(anchors, dtype=torch.bool)
         rows.append(DraftBatch(ids, positions, docs, loss_mask, anchors, valid, features, labels))

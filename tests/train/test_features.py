@@ -92,7 +92,7 @@ def test_the_local_source_is_the_target_forward_of_the_row(
     # Soft labels: the target's top 5 at the same label positions, beside the same hard labels.
     assert out.soft_ids is not None and out.soft_probs is not None
     assert out.soft_ids.shape == out.soft_probs.shape == (*labels_shape, 5)
-    hard = target.forward_packed(*on_device[:3], put(row.label_positions), 256)[1]
+    hard = target.packed_outputs(*on_device[:3], put(row.label_positions), 256).next_tokens
     assert torch.equal(out.next_tokens, hard)
     torch.testing.assert_close(out.soft_probs.sum(-1), torch.ones(labels_shape))
     # The drafter's batch carries them.

@@ -265,7 +265,7 @@ def test_the_compiled_target_is_one_graph_with_its_hooks_for_every_row() -> None
 
     target = Target(tiny_llama(), [1, 2], "sdpa")
     labels_at = torch.arange(40)[None]
-    eager = [target.forward_packed(*_packed_row(s), labels_at) for s in range(3)]
+    eager = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
     graphs: list[object] = []
 
     def counting_backend(gm, example_inputs):
@@ -274,12 +274,12 @@ def test_the_compiled_target_is_one_graph_with_its_hooks_for_every_row() -> None
 
     assert target_compile_refusal(target) is None
     compile_target(target, backend=counting_backend)
-    compiled = [target.forward_packed(*_packed_row(s), labels_at) for s in range(3)]
+    compiled = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
     assert len(graphs) == 1
-    for (f1, l1), (f2, l2) in zip(eager, compiled, strict=True):
-        assert torch.equal(f1, f2) and torch.equal(l1, l2)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
     target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails, recompiles
-    target.forward_packed(*_packed_row(3), labels_at)
+    target.packed_outputs(*_packed_row(3), labels_at)
     assert len(graphs) == 2
 
 
@@ -308,11 +308,12 @@ def test_the_compiled_flex_target_matches_the_eager_one_on_cuda(tiny_qwen3_dir) 
     target = Target(model, [1, 3], "flex")
     labels_at = torch.arange(200, device="cuda")[None]
     rows = [tuple(t.cuda() for t in _packed_row(s, 256)) for s in range(3)]
-    eager = [target.forward_packed(*row, labels_at) for row in rows]
+    eager = [target.packed_outputs(*row, labels_at) for row in rows]
     compile_target(target)
     before = int(counters["stats"]["unique_graphs"])
-    compiled = [target.forward_packed(*row, labels_at) for row in rows]
+    compiled = [target.packed_outputs(*row, labels_at) for row in rows]
     assert int(counters["stats"]["unique_graphs"]) - before == 1
-    for (f1, l1), (f2, l2) in zip(eager, compiled, strict=True):
+    for a, b in zip(eager, compiled, strict=True):
+        f1, l1, f2, l2 = a.features, a.next_tokens, b.features, b.next_tokens
         assert float((f1.float() - f2.float()).abs().max() / f1.float().abs().max()) < 2e-2
         assert float((l1 == l2).float().mean()) > 0.95  # argmax may flip at bf16 near-ties
