@@ -193,23 +193,10 @@ def build_optimizers(model: Any, flat: dict[str, Any], steps: int) -> tuple[list
     from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     with tempfile.TemporaryDirectory() as tmp:
+        passed = ("lr", "optimizer", "weight_decay", "scheduler_type")
+        passed += tuple(k for k in flat if k.startswith(("muon_", "scheduler_")))
         trainer_config = TrainerConfig(
-            lr=flat["lr"],
-            num_epochs=1,
-            save_path=tmp,
-            optimizer=flat["optimizer"],
-            weight_decay=flat["weight_decay"],
-            muon_lr=flat["muon_lr"],
-            muon_momentum=flat["muon_momentum"],
-            muon_weight_decay=flat["muon_weight_decay"],
-            muon_ns_steps=flat["muon_ns_steps"],
-            muon_adjust_lr_fn=flat["muon_adjust_lr_fn"],
-            scheduler_type=flat["scheduler_type"],
-            scheduler_warmup_steps=flat["scheduler_warmup_steps"],
-            scheduler_warmup_ratio=flat["scheduler_warmup_ratio"],
-            scheduler_total_steps=flat["scheduler_total_steps"],
-            scheduler_num_cosine_cycles=flat["scheduler_num_cosine_cycles"],
-            max_steps=steps,
+            num_epochs=1, save_path=tmp, max_steps=steps, **{k: flat[k] for k in set(passed)}
         )
     optimizers = speculators_optimizers(model, trainer_config)
     if trainer_config.scheduler_type == "none":
