@@ -15,7 +15,8 @@ from flashdraft.data.inference import Sampling
 
 FLAGS = [
     "--target", "--prompts", "--output", "--thinking", "--turns", "--temperature", "--top-p",
-    "--top-k", "--max-new-tokens", "--batch-size", "--max-batch-tokens", "--sort-window",
+    "--top-k", "--max-new-tokens", "--batch-size", "--max-batch-tokens", "--static-attention",
+    "--sort-window",
     "--limit", "--seed", "--shard", "--stop-token-ids", "--backend", "--device", "--dtype",
     "--vllm-kwargs", "--no-progress", "--keep-truncated",
 ]  # fmt: skip
