@@ -19,7 +19,8 @@ How they run, in the order generate -> prepare -> audit -> bench -> train -> exp
   `bucket/more/`, held-out prompts in `data/held_out.jsonl`, and `configs/qwen3-8b.toml`
   (the repository's, with the same substitutions);
 * `EXTRA` flags are appended per subcommand to keep it small (a later flag or `--set` wins):
-  16 new tokens per answer, one prepare worker, a 2-step run on 256-token rows, 8-token evals,
+  16 new tokens per answer, one prepare worker, a 2-step run on 256-token rows with 4 anchors
+  each (the loss over the 152k-token vocabulary is most of a step), 8-token evals,
   bench on the larger of the two prepared datasets;
   generate also gets `--thinking off --temperature 2 --keep-truncated`: the tiny random
   target copies its last input token (a newline) at low temperature and never closes a think
@@ -58,7 +59,7 @@ STAGES = ("generate", "prepare", "audit", "bench", "train", "export", "eval")
 TINY_RUN = {
     "target.dtype": '"auto"',  # fp32 on the CPU
     "data.row_tokens": 256,
-    "loss.anchors": 16,
+    "loss.anchors": 4,
     "optim.max_steps": 2,
     "optim.warmup_steps": 1,
     "checkpoint.every": 1,

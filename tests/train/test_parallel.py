@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,11 +38,18 @@ def _torchrun(nproc: int, settings: list[str], *extra: str) -> str:
     return result.stdout
 
 
+def _settings(run: Path, target: Path, data: Path, **extra: object) -> list[str]:
+    """`train_settings` with 8 anchors per row, not 24: the drafter's loss over Qwen3's
+    152k-token vocabulary is most of a CPU step (8 rows: 27 s -> 15 s of CPU), and every
+    comparison below runs the same settings on both sides."""
+    return train_settings(run, target, data, **{"loss.anchors": 8, **extra})
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, tiny_qwen3_dir, qwen_data) -> list[dict]:
     """The control: one process, two rows per step (grad_accum 2)."""
     run = tmp_path_factory.mktemp("single") / "run"
-    settings = train_settings(
+    settings = _settings(
         run, tiny_qwen3_dir, qwen_data, **{"optim.grad_accum": 2, "optim.max_steps": 8}
     )
     assert cli.main(["train", *settings]) == 0
@@ -72,7 +80,7 @@ def test_two_processes_match_one_on_the_same_global_batch(
     tmp_path, tiny_qwen3_dir, qwen_data, single, placement, extra
 ) -> None:
     run = tmp_path / placement
-    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, **extra})
+    settings = _settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, **extra})
     out = _torchrun(2, settings)
     assert ("target layers sharded over 2 ranks" in out) == (placement == "sharded-target")
     _same_curve(read_metrics(run), single)
@@ -99,7 +107,7 @@ def test_fsdp_drafter_matches_one_process_and_exports_full_weights(
         "eval.prompts": f'"{prompts}"',
         "eval.max_new_tokens": 8,
     }
-    out = _torchrun(2, train_settings(run, tiny_qwen3_dir, qwen_data, **extra))
+    out = _torchrun(2, _settings(run, tiny_qwen3_dir, qwen_data, **extra))
     assert "(drafter sharded, FSDP2)" in out
     records = read_metrics(run)
     _same_curve([r for r in records if "loss" in r], single)
@@ -121,7 +129,7 @@ def test_two_colocated_processes_match_one_and_resume_on_one(
     serves both checks."""
     two = tmp_path / "colocated"
     extra = {"optim.max_steps": 8, "optim.grad_accum": 1, "checkpoint.every": 4}
-    out = _torchrun(2, train_settings(two, tiny_qwen3_dir, qwen_data, **extra))
+    out = _torchrun(2, _settings(two, tiny_qwen3_dir, qwen_data, **extra))
     assert "target layers sharded" not in out
     _same_curve(read_metrics(two), single)
     assert (two / "export" / "model.safetensors").exists()
@@ -135,9 +143,7 @@ def test_two_colocated_processes_match_one_and_resume_on_one(
     (run / "metrics.jsonl").write_text("".join(x for x in lines if json.loads(x)["step"] <= 4))
     state = json.loads((run / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert state["cursor"] == 8 and state["dp_world"] == 2
-    one = train_settings(
-        run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2}
-    )
+    one = _settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2})
     assert cli.main(["train", *one, "--resume"]) == 0
     _same_curve(read_metrics(run), single)
     assert (run / "checkpoints" / "step_00000008").exists()

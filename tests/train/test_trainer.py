@@ -154,7 +154,7 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
         calls.append(1)
         return (loss * float("nan") if len(calls) == 3 else loss), stats
 
-    extra = {"optim.max_steps": 6, "checkpoint.every": 2, "log.every": 2}
+    extra = {"optim.max_steps": 6, "checkpoint.every": 2, "log.every": 2, "loss.anchors": 8}
     reference = tmp_path / "reference"
     assert cli.main(["train", *train_settings(reference, tiny_qwen3_dir, qwen_data, **extra)]) == 0
 
