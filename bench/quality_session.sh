@@ -50,6 +50,12 @@
 # .gguf/partab. Lesson of that run: bring the generated answers back (now automatic, above);
 # they were lost with the machine.
 #
+# 2026-12-01, third run: the answers came back (`.qcarry/gen.tar.xz.part*`, 17.6 MB) and
+# .qcarry is now 22.5 MB, so the GGUF goes in two uneven parts (`head -c 38000000` ->
+# .gguf/partaa, `tail -c +38000001` -> .gguf/partab, 60.4 MB): `one` carries .whl/smol,
+# .qcarry and partaa (~64 MB with the ~3 MB tree), `two` partab. Real training step of the
+# preset (A = 512): 32 ms (target 16, drafter 15); A = 2048: 73 ms. `flashdraft train` adds
+# ~60 s of start-up and compilation per call and ~30 s per in-training eval (`eval.every`).
 # Sizes (QUALITY_ARGS): the defaults aim at ~20 GPU-minutes of training; how many calls the
 # data takes depends on generate's speed (issue 17's static backend: tens of thousands of
 # tokens/s; HF generate: ~3.2K tok/s, then lower --prompts). Device time, estimated: one
