@@ -35,6 +35,7 @@ from flashdraft.model.hybrid import (
     is_hybrid,
     linear_layer_ids,
 )
+from flashdraft.model.routing import PinnedRouting
 
 log = get_logger(__name__)
 
@@ -284,13 +285,18 @@ class Target:
     def verify_packing(self, lengths: tuple[int, ...] = (21, 14), padding: int = 5) -> None:
         """Start-up check for hybrid targets (SPEC 3): a packed row of documents (+ padding)
         gives the taps and next-token labels of each document run alone through the model's
-        own forward, within `PACKING_TOLERANCE` of the target dtype; a label may differ only
-        where the document's own logits tie within it. Raises ValueError otherwise."""
+        own forward (with the packed row's expert routing, for MoE targets), within
+        `PACKING_TOLERANCE` of the target dtype; a label may differ only where the document's
+        own logits tie within it. Raises ValueError otherwise."""
         gen = torch.Generator().manual_seed(1)
         docs = [torch.randint(0, self.head.vocab_size, (n,), generator=gen) for n in lengths]
         ids, positions, doc_ids = (t.to(self.device) for t in pack_documents(docs, padding))
         every = torch.arange(ids.shape[1], device=self.device)[None]
-        out = self.packed_outputs(ids, positions, doc_ids, every)
+        # MoE targets: each document alone takes the packed row's expert choices, so that a
+        # bf16 near-tie flipping a route does not pass for a leak (`flashdraft.model.routing`).
+        routing = PinnedRouting(self.model)
+        with routing.record():
+            out = self.packed_outputs(ids, positions, doc_ids, every)
         features, labels = out.features, out.next_tokens
         assert labels is not None
         tolerance = PACKING_TOLERANCE.get(self.head.weight.dtype, 1e-2)
@@ -299,7 +305,8 @@ class Target:
         for d, doc in enumerate(docs):
             span = slice(start, start + len(doc))
             start += len(doc)
-            taps, alone_labels, logits = self._document_alone(doc.to(self.device))
+            with routing.replay(span.start, span.stop):
+                taps, alone_labels, logits = self._document_alone(doc.to(self.device))
             for layer, error in zip(
                 self.taps.layer_ids, tap_errors(features[0, span], taps, self.taps), strict=True
             ):

@@ -13,6 +13,7 @@ from helpers import tiny_hybrid, tiny_llama
 from transformers import Qwen3_5TextConfig, Qwen3Config
 
 from flashdraft.model import hybrid
+from flashdraft.model.routing import PinnedRouting
 from flashdraft.model.target import Target, decoder_layers, default_attention, pack_documents
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -298,23 +299,24 @@ def test_fla_varlen_layers_equal_each_document_alone_on_cuda(kind) -> None:
 
 
 @pytest.mark.gpu
-def test_fla_varlen_path_equals_the_per_document_path_on_cuda() -> None:
-    """The whole model (dense FFNs): fla's packed path vs the per-document fallback. On the
-    2026-12-01 H200 run the MoE kinds differed here by 0.04-0.11 (relative) while this kind
-    passed: routing flips under bf16 rounding; their layers are compared above."""
-    kind = "qwen3_5"
+@pytest.mark.parametrize("kind", KINDS)
+def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
+    """The whole model: fla's packed path vs the per-document fallback, the MoE kinds with
+    the fla run's expert routing replayed in the other (`flashdraft.model.routing`). Without
+    that, on the 2026-12-01 H200 run, they differed by 0.04-0.11 (relative) while each linear
+    layer alone matched (above): routing flips under bf16 rounding."""
     kernels, why = hybrid.fla_kernels()
     if kernels is None:
         pytest.skip(why)
     model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
     docs, ids, positions, doc_ids = packed_batch(model.config.vocab_size)
     ids, positions, doc_ids = ids.cuda(), positions.cuda(), doc_ids.cuda()
+    pins = PinnedRouting(model)
     outputs = []
-    for choice in (kernels, "per-document"):
+    for choice, routes in ((kernels, pins.record()), ("per-document", pins.replay(0, ids.numel()))):
         target = every_tap(model, linear_kernels=choice)
-        outputs.append(target.packed_outputs(ids, positions, doc_ids, None).features)
-        if choice == "per-document":
-            target.verify_taps()  # the start-up check passes in bf16
+        with routes:
+            outputs.append(target.packed_outputs(ids, positions, doc_ids, None).features)
         target.taps.remove()
         assert target.linear is not None
         target.linear.remove()
@@ -326,11 +328,13 @@ def test_fla_varlen_path_equals_the_per_document_path_on_cuda() -> None:
 
 
 @pytest.mark.gpu
-def test_fla_target_passes_the_startup_check_on_cuda() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_fla_target_passes_the_startup_check_on_cuda(kind) -> None:
+    """In bf16, the MoE kinds too (their routing pinned by the check)."""
     kernels, why = hybrid.fla_kernels()
     if kernels is None:
         pytest.skip(why)
-    model = tiny_hybrid("qwen3_5").to("cuda", torch.bfloat16)
+    model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
     target = Target(model, [0, 1, 3], "sdpa")  # "auto": fla on CUDA
     assert target.linear is not None and target.linear.kernels is not None
     target.verify_taps()
