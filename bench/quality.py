@@ -145,6 +145,11 @@ class QualityConfig:
         factory=lambda: list(KINDS), choices=KINDS, help="held-out prompt kinds evaluated"
     )
     eval_max_new_tokens: int = option(256, ge=1, help="tokens generated per eval prompt")
+    eval_sampled_kinds: list[str] = option(
+        factory=lambda: ["chat", "humaneval"],
+        choices=KINDS,
+        help="kinds evaluated again at T = 1 (rejection sampling, seed 0), after the T = 0 ones",
+    )
     bench_dir: str | None = option(
         None, help="where the .md and .png go (default: benchmarks/; with --smoke: OUT)"
     )
@@ -441,17 +446,20 @@ class Pipeline:
         export = self.run_dir / "export"
         train = self.marker(f"train-{self.config.run}")
         loaded: tuple[Any, Any] | None = None
-        for kind in self.config.eval_kinds:
-            report_path = self.run_dir / "eval" / f"{kind}.json"
+        passes = [(kind, 0.0) for kind in self.config.eval_kinds]
+        passes += [(kind, 1.0) for kind in self.config.eval_sampled_kinds]
+        for kind, temperature in passes:
+            name = kind if temperature == 0 else f"{kind}_t1"
+            report_path = self.run_dir / "eval" / f"{name}.json"
             settings = {
                 "prompts": self.config.eval_prompts,
                 "max_new_tokens": self.config.eval_max_new_tokens,
                 "train": _digest(train),
             }
-            marker = self.marker(f"eval-{self.config.run}-{kind}")
+            marker = self.marker(f"eval-{self.config.run}-{name}")
             if marker is not None and marker["settings"] == settings and report_path.exists():
                 continue
-            if not self.enough_time(f"eval {kind}", 120.0):
+            if not self.enough_time(f"eval {name}", 120.0):
                 return False
             config = EvalConfig(
                 target=self.target,
@@ -459,6 +467,7 @@ class Pipeline:
                 prompts=str(self.out / "prompts" / "held_out" / f"{kind}.jsonl"),
                 output=str(report_path),
                 max_new_tokens=self.config.eval_max_new_tokens,
+                temperature=temperature,
                 limit=self.config.eval_prompts,
                 device=self.device,
             )
@@ -466,12 +475,13 @@ class Pipeline:
                 loaded = load_eval_target(config)
             model, tokenizer = loaded
             report = run_eval(config, model, tokenizer, load_drafter(str(export)))
-            reference = zlab_reference(model, tokenizer, config)
+            # parity with z-lab's loop at T = 0 only: at T = 1 the two loops draw other samples
+            reference = zlab_reference(model, tokenizer, config) if temperature == 0 else None
             if reference is not None:
                 report["zlab_reference"] = reference
             write_report(report, str(report_path))
-            log.info(f"eval {kind}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
-            self.save_marker(f"eval-{self.config.run}-{kind}", settings)
+            log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
+            self.save_marker(f"eval-{self.config.run}-{name}", settings)
         return True
 
 
@@ -660,13 +670,15 @@ def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, An
         if not complete:
             log.info(f"{name}: not complete; run the same command again to continue")
             break
-    evals = collect(pipeline.out, config.run)["evals"]
+    summary = collect(pipeline.out, config.run)
+    evals = summary["evals"]
     return {
         "complete": complete,
         "stage": stage,
         "run": config.run,
         "tau": {k: r["tau"] for k, r in evals.items() if r is not None},
         "speedup": {k: r.get("speedup") for k, r in evals.items() if r is not None},
+        "tau_t1": {k: r["tau"] for k, r in summary["sampled"].items() if r is not None},
     }
 
 

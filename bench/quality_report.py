@@ -72,6 +72,7 @@ def collect(out: Path, run: str) -> dict[str, Any]:
         "train": read(stages / f"train-{run}.json"),
         "metrics": read_metrics(run_dir),
         "evals": {k: read(run_dir / "eval" / f"{k}.json") for k in KINDS},
+        "sampled": {k: read(run_dir / "eval" / f"{k}_t1.json") for k in KINDS},
         "run": run,
     }
 
@@ -101,6 +102,10 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
         {k: r for k, r in evals.items() if r.get("zlab_reference", {}).get("tau")},
         lambda r: f"{r['zlab_reference']['tau'] / r['tau']:.3f}",
     )
+    sampled = _per_kind(
+        {k: r for k, r in summary.get("sampled", {}).items() if r is not None},
+        lambda r: f"{r['tau']:.3f}",
+    )
     hardware = env.get("gpu") or f"CPU ({env.get('cpu', '?')}, {env.get('threads', '?')} threads)"
     lines = [
         f"# Reference recipe, SmolLM2-135M drafter: held-out quality ({hardware}, {env['date']})",
@@ -115,6 +120,7 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
         f"| speedup vs the target alone | {speed} | ≥ 2.0x |",
         f"| z-lab's reference loop tau / `flashdraft eval` tau | {zlab} | within 2% |",
         "| flashdraft tau / peer recipe tau, same data and steps | not run | ≥ 1.05 |",
+        f"| T = 1, rejection sampling: tau | {sampled} | reported |",
         "",
     ]
     if evals:

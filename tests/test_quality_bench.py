@@ -63,6 +63,7 @@ def _synthetic_run(out: Path) -> None:
         json.dumps(_eval_report(2.5, [0.6, 0.4, 0.2], speedup=1.8, zlab_reference=zlab))
     )
     (run / "eval" / "humaneval.json").write_text(json.dumps(_eval_report(3.75, [0.8] * 15)))
+    (run / "eval" / "chat_t1.json").write_text(json.dumps(_eval_report(1.4, [0.3, 0.1])))
     (out / "stages").mkdir()
     (out / "stages" / "train-r.json").write_text(json.dumps({"finished": True, "seconds": 612.0}))
     sampling = {"temperature": 0.0, "max_new_tokens": 256}
@@ -93,6 +94,7 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert "| tau, code: mined Python | not measured | — |" in text
     assert "chat 1.80x, humaneval n/a (CPU)" in text
     assert "chat 0.960" in text  # z-lab 2.4 / ours 2.5
+    assert "| T = 1, rejection sampling: tau | chat 1.400 | reported |" in text
     assert "| chat | 0.60 | 0.40 | 0.20 |" in text and "7/8 +1 ties" in text
     assert "100 steps, 0.8M packed-row tokens, 612 s" in text
     assert "0.4M: 1.50, 0.8M: 2.25" in text  # the eval curve by cumulative tokens
@@ -207,6 +209,7 @@ def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     result = json.loads(first.stdout.strip().splitlines()[-1])
     assert result["complete"] is True and set(result["tau"]) == {"chat", "humaneval", "code"}
+    assert set(result["tau_t1"]) == {"chat", "humaneval"}  # the sampled evals (T = 1)
     assert all(tau >= 1.0 for tau in result["tau"].values())
     (md,) = out.glob("quality_cpu_*.md")
     assert "| tau, chat |" in md.read_text() and "Training (finished)" in md.read_text()
