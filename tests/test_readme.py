@@ -142,6 +142,23 @@ def _block_commands(lines: list[str]) -> list[str]:
     return found
 
 
+def test_the_file_tree_names_every_module() -> None:
+    """The README's Files tree has a line for every module of the package (each package's
+    `__init__` and the one-line `commands/` excepted), so a new module cannot go unlisted."""
+    text = (REPO / "README.md").read_text()
+    tree = text[text.index("## Files") :]
+    listed = {
+        line.split()[0] for line in tree.splitlines() if line.startswith("  ") and line.split()
+    }
+    package = REPO / "flashdraft"
+    modules = {
+        p.name
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py" and p.parent.name != "commands"
+    }
+    assert not modules - listed, f"modules missing from the README's Files tree: {modules - listed}"
+
+
 def test_the_extraction_finds_commands_in_blocks_and_inline_spans() -> None:
     text = (
         "Run `flashdraft audit d --preview\n  3` or `flashdraft demo`; `flashdraft.data` is a module.\n"
