@@ -476,7 +476,7 @@ class Pipeline:
             model, tokenizer = loaded
             report = run_eval(config, model, tokenizer, load_drafter(str(export)))
             # parity with z-lab's loop at T = 0 only: at T = 1 the two loops draw other samples
-            reference = zlab_reference(model, tokenizer, config) if temperature == 0 else None
+            reference = zlab_parity(config) if temperature == 0 else None
             if reference is not None:
                 report["zlab_reference"] = reference
             write_report(report, str(report_path))
@@ -584,6 +584,31 @@ def _seconds_per_step(run_dir: Path) -> float | None:
 def _latest_step(run_dir: Path) -> int:
     done = complete_checkpoints(str(run_dir)) if run_dir.exists() else []
     return done[-1][0] if done else 0
+
+
+def zlab_parity(config: EvalConfig) -> dict[str, Any] | None:
+    """z-lab's loop and `flashdraft eval` (HF loop) on the same export and prompts, both in
+    fp32, where the two must agree: in bf16 a near-tie of the target's top logits flips
+    between the two loops' forwards, the texts part and their taus are measured on different
+    text (benchmarks/zlab_parity_cpu_20261201.md). None without the `dflash` package."""
+    if importlib.util.find_spec("dflash") is None:
+        return None
+    fp32 = dataclasses.replace(
+        config,
+        dtype="float32",
+        decoder="hf",
+        reference=False,
+        output=str(Path(config.output).with_suffix(".fp32.json")),
+    )
+    model, tokenizer = load_eval_target(fp32)
+    ours = run_eval(fp32, model, tokenizer, load_drafter(config.drafter))
+    theirs = zlab_reference(model, tokenizer, fp32)
+    del model
+    _free_memory()
+    if theirs is None:
+        return None
+    steps = ours["total_steps"]
+    return {**theirs, "flashdraft_tau": ours["tau"], "flashdraft_steps": steps, "dtype": "float32"}
 
 
 def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, Any] | None:

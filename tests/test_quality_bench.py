@@ -94,6 +94,7 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert "| tau, code: mined Python | not measured | — |" in text
     assert "chat 1.80x, humaneval n/a (CPU)" in text
     assert "chat 0.960" in text  # z-lab 2.4 / ours 2.5
+    assert "`flashdraft eval` tau (bf16 eval) | chat 0.960" in text  # an older report's parity
     assert "| T = 1, rejection sampling: tau | chat 1.400 | reported |" in text
     assert "| chat | 0.60 | 0.40 | 0.20 |" in text and "7/8 +1 ties" in text
     assert "100 steps, 0.8M packed-row tokens, 612 s" in text
@@ -102,6 +103,9 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert f"]({png.name})" in text
     evals, estimates = report.tau_curve(summary["metrics"])
     assert evals == [(409600, 1.5), (819200, 2.25)]
+    # An fp32 parity run (bench/quality.py's zlab_parity) brings its own flashdraft tau.
+    summary["evals"]["chat"]["zlab_reference"] = {"tau": 2.4, "flashdraft_tau": 2.4}
+    assert "tau (fp32) | chat 1.000 |" in report.render(summary, env, "cmd")
     assert len(estimates) == 10 and estimates[2] == (245760, 1.3)  # the resumed step 30 wins
 
 
