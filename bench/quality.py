@@ -150,6 +150,13 @@ class QualityConfig:
         choices=KINDS,
         help="kinds evaluated again at T = 1 (rejection sampling, seed 0), after the T = 0 ones",
     )
+    eval_trained_kinds: list[str] = option(
+        factory=lambda: list(KINDS),
+        choices=KINDS,
+        help="fit check: kinds also evaluated (T = 0, no target-alone run) on --eval-prompts "
+        "prompts the drafter trained on; far above held-out: the data is too narrow; near or "
+        "below: the drafter underfits",
+    )
     bench_dir: str | None = option(
         None, help="where the .md and .png go (default: benchmarks/; with --smoke: OUT)"
     )
@@ -446,10 +453,17 @@ class Pipeline:
         export = self.run_dir / "export"
         train = self.marker(f"train-{self.config.run}")
         loaded: tuple[Any, Any] | None = None
-        passes = [(kind, 0.0) for kind in self.config.eval_kinds]
-        passes += [(kind, 1.0) for kind in self.config.eval_sampled_kinds]
-        for kind, temperature in passes:
-            name = kind if temperature == 0 else f"{kind}_t1"
+        held_out = self.out / "prompts" / "held_out"
+        passes = [(kind, 0.0, held_out / f"{kind}.jsonl", kind) for kind in self.config.eval_kinds]
+        passes += [
+            (kind, 1.0, held_out / f"{kind}.jsonl", f"{kind}_t1")
+            for kind in self.config.eval_sampled_kinds
+        ]
+        for kind in self.config.eval_trained_kinds:
+            trained = self.trained_prompts(kind)
+            if trained is not None:
+                passes.append((kind, 0.0, trained, f"{kind}_trained"))
+        for kind, temperature, prompts, name in passes:
             report_path = self.run_dir / "eval" / f"{name}.json"
             settings = {
                 "prompts": self.config.eval_prompts,
@@ -464,25 +478,43 @@ class Pipeline:
             config = EvalConfig(
                 target=self.target,
                 drafter=str(export),
-                prompts=str(self.out / "prompts" / "held_out" / f"{kind}.jsonl"),
+                prompts=str(prompts),
                 output=str(report_path),
                 max_new_tokens=self.config.eval_max_new_tokens,
                 temperature=temperature,
                 limit=self.config.eval_prompts,
                 device=self.device,
+                reference=not name.endswith("_trained"),
             )
             if loaded is None:
                 loaded = load_eval_target(config)
             model, tokenizer = loaded
             report = run_eval(config, model, tokenizer, load_drafter(str(export)))
-            # parity with z-lab's loop at T = 0 only: at T = 1 the two loops draw other samples
-            reference = zlab_parity(config) if temperature == 0 else None
+            # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample)
+            reference = zlab_parity(config) if name == kind else None
             if reference is not None:
                 report["zlab_reference"] = reference
             write_report(report, str(report_path))
             log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
             self.save_marker(f"eval-{self.config.run}-{name}", settings)
         return True
+
+    def trained_prompts(self, kind: str) -> Path | None:
+        """The first --eval-prompts prompts of `kind` that the greedy pass answered (so the
+        drafter trained on their answers), written once; None when there are none."""
+        out = self.out / "prompts" / "trained" / f"{kind}.jsonl"
+        answered = self.out / "gen" / "greedy.prompts.jsonl"
+        if not out.exists() and answered.exists():
+            picked: list[str] = []
+            with open(answered) as f:
+                for line in f:
+                    if len(picked) == self.config.eval_prompts:
+                        break
+                    if json.loads(line).get("kind") == kind:
+                        picked.append(line)
+            if picked:
+                storage.write_text_atomic(str(out), "".join(picked))
+        return out if out.exists() else None
 
 
 # ---- helpers of the stages ----

@@ -73,6 +73,7 @@ def collect(out: Path, run: str) -> dict[str, Any]:
         "metrics": read_metrics(run_dir),
         "evals": {k: read(run_dir / "eval" / f"{k}.json") for k in KINDS},
         "sampled": {k: read(run_dir / "eval" / f"{k}_t1.json") for k in KINDS},
+        "trained": {k: read(run_dir / "eval" / f"{k}_trained.json") for k in KINDS},
         "run": run,
     }
 
@@ -127,6 +128,17 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
         f"| T = 1, rejection sampling: tau | {sampled} | reported |",
         "",
     ]
+    trained = {k: r for k, r in summary.get("trained", {}).items() if r is not None}
+    if trained:
+        fit = ", ".join(
+            f"{k} {r['tau']:.2f} / {evals[k]['tau']:.2f}" for k, r in trained.items() if k in evals
+        )
+        lines += [
+            f"Fit check, tau on prompts the drafter trained on / held-out (T = 0): {fit}. Far "
+            "above held-out: the data is too narrow (more and more varied prompts); near or "
+            "below it: the drafter underfits (more steps, a deeper drafter).",
+            "",
+        ]
     if evals:
         lines += ["Per-position acceptance (draft 1..8) and the lossless check (T = 0):", ""]
         lines += ["| kind | " + " | ".join(str(i) for i in range(1, 9)) + " | lossless |"]

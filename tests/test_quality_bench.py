@@ -64,6 +64,7 @@ def _synthetic_run(out: Path) -> None:
     )
     (run / "eval" / "humaneval.json").write_text(json.dumps(_eval_report(3.75, [0.8] * 15)))
     (run / "eval" / "chat_t1.json").write_text(json.dumps(_eval_report(1.4, [0.3, 0.1])))
+    (run / "eval" / "chat_trained.json").write_text(json.dumps(_eval_report(4.6, [0.7, 0.5])))
     (out / "stages").mkdir()
     (out / "stages" / "train-r.json").write_text(json.dumps({"finished": True, "seconds": 612.0}))
     sampling = {"temperature": 0.0, "max_new_tokens": 256}
@@ -96,6 +97,7 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert "chat 0.960" in text  # z-lab 2.4 / ours 2.5
     assert "`flashdraft eval` tau (bf16 eval) | chat 0.960" in text  # an older report's parity
     assert "| T = 1, rejection sampling: tau | chat 1.400 | reported |" in text
+    assert "trained on / held-out (T = 0): chat 4.60 / 2.50." in text
     assert "| chat | 0.60 | 0.40 | 0.20 |" in text and "7/8 +1 ties" in text
     assert "100 steps, 0.8M packed-row tokens, 612 s" in text
     assert "0.4M: 1.50, 0.8M: 2.25" in text  # the eval curve by cumulative tokens
@@ -214,6 +216,10 @@ def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     result = json.loads(first.stdout.strip().splitlines()[-1])
     assert result["complete"] is True and set(result["tau"]) == {"chat", "humaneval", "code"}
     assert set(result["tau_t1"]) == {"chat", "humaneval"}  # the sampled evals (T = 1)
+    # the fit check: every kind the greedy pass answered is evaluated on its trained prompts
+    answered = {json.loads(line)["kind"] for line in (out / "gen/greedy.prompts.jsonl").open()}
+    fitted = {p.name for p in (out / "runs/reference/eval").glob("*_trained.json")}
+    assert answered and fitted == {f"{kind}_trained.json" for kind in answered}
     assert all(tau >= 1.0 for tau in result["tau"].values())
     (md,) = out.glob("quality_cpu_*.md")
     assert "| tau, chat |" in md.read_text() and "Training (finished)" in md.read_text()
