@@ -622,7 +622,8 @@ def zlab_parity(config: EvalConfig) -> dict[str, Any] | None:
     """z-lab's loop and `flashdraft eval` (HF loop) on the same export and prompts, both in
     fp32, where the two must agree: in bf16 a near-tie of the target's top logits flips
     between the two loops' forwards, the texts part and their taus are measured on different
-    text (benchmarks/zlab_parity_cpu_20261201.md). None without the `dflash` package."""
+    text (benchmarks/zlab_parity_cpu_20261201.md). On the first 4 prompts: exact agreement
+    needs no more, and both loops are eager here. None without the `dflash` package."""
     if importlib.util.find_spec("dflash") is None:
         return None
     fp32 = dataclasses.replace(
@@ -630,6 +631,7 @@ def zlab_parity(config: EvalConfig) -> dict[str, Any] | None:
         dtype="float32",
         decoder="hf",
         reference=False,
+        limit=min(4, config.limit or 4),
         output=str(Path(config.output).with_suffix(".fp32.json")),
     )
     model, tokenizer = load_eval_target(fp32)
