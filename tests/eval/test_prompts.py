@@ -32,6 +32,22 @@ def test_prompt_shapes_render_with_the_generation_prompt(smol_tokenizer) -> None
     assert prompt_ids({"prompt": "def add(a, b):"}, tok) == tok("def add(a, b):").input_ids
 
 
+def test_a_generate_output_record_gives_its_prompt(smol_tokenizer) -> None:
+    """What `flashdraft generate` writes (prompt messages + completion) evaluates on its
+    prompt, so its output file serves as the fit check's trained prompts (README)."""
+    tok = smol_tokenizer
+    chat = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "How are you?"},
+    ]
+    written = {"id": "a", "prompt": chat, "completion": "Fine, thanks.", "finish_reason": "stop"}
+    assert prompt_ids(written, tok) == prompt_ids({"messages": chat}, tok)
+    assert tok.decode(prompt_ids(written, tok)).endswith(
+        "How are you?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_records_that_are_not_prompts_are_refused_with_the_reason(smol_tokenizer) -> None:
     with pytest.raises(RecordError, match="JSON list, not an object"):
         prompt_ids([1, 2], smol_tokenizer)  # type: ignore[arg-type]
