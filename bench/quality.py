@@ -42,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from quality_report import collect, write_quality_report  # beside this script
@@ -183,6 +183,16 @@ def _digest(obj: Any) -> str:
 def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
+
+
+class EvalPass(NamedTuple):
+    """One eval of a finished run: its report name, prompt file, temperature, and whether the
+    prompts are held out (else trained on: the fit check)."""
+
+    name: str
+    prompts: Path
+    temperature: float
+    held_out: bool
 
 
 class Pipeline:
@@ -454,16 +464,20 @@ class Pipeline:
         train = self.marker(f"train-{self.config.run}")
         loaded: tuple[Any, Any] | None = None
         held_out = self.out / "prompts" / "held_out"
-        passes = [(kind, 0.0, held_out / f"{kind}.jsonl", kind) for kind in self.config.eval_kinds]
+        passes = [
+            EvalPass(kind, held_out / f"{kind}.jsonl", 0.0, held_out=True)
+            for kind in self.config.eval_kinds
+        ]
         passes += [
-            (kind, 1.0, held_out / f"{kind}.jsonl", f"{kind}_t1")
+            EvalPass(f"{kind}_t1", held_out / f"{kind}.jsonl", 1.0, held_out=True)
             for kind in self.config.eval_sampled_kinds
         ]
         for kind in self.config.eval_trained_kinds:
             trained = self.trained_prompts(kind)
             if trained is not None:
-                passes.append((kind, 0.0, trained, f"{kind}_trained"))
-        for kind, temperature, prompts, name in passes:
+                passes.append(EvalPass(f"{kind}_trained", trained, 0.0, held_out=False))
+        for one in passes:
+            name = one.name
             report_path = self.run_dir / "eval" / f"{name}.json"
             settings = {
                 "prompts": self.config.eval_prompts,
@@ -478,22 +492,32 @@ class Pipeline:
             config = EvalConfig(
                 target=self.target,
                 drafter=str(export),
-                prompts=str(prompts),
+                prompts=str(one.prompts),
                 output=str(report_path),
                 max_new_tokens=self.config.eval_max_new_tokens,
-                temperature=temperature,
+                temperature=one.temperature,
                 limit=self.config.eval_prompts,
                 device=self.device,
-                reference=not name.endswith("_trained"),
+                reference=one.held_out,  # the speedup and lossless check: held-out only
             )
             if loaded is None:
                 loaded = load_eval_target(config)
             model, tokenizer = loaded
             report = run_eval(config, model, tokenizer, load_drafter(str(export)))
-            # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample)
-            reference = zlab_parity(config) if name == kind else None
-            if reference is not None:
-                report["zlab_reference"] = reference
+            # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample),
+            # on 4 prompts: exact agreement needs no more, and both loops are eager there
+            parity = None
+            if one.held_out and one.temperature == 0:
+                limit = min(4, self.config.eval_prompts)
+                parity = zlab_parity(dataclasses.replace(config, limit=limit, reference=False))
+            if parity is not None:
+                ours, theirs = parity
+                report["zlab_reference"] = {
+                    **theirs,
+                    "flashdraft_tau": ours["tau"],
+                    "flashdraft_steps": ours["total_steps"],
+                    "dtype": "float32",
+                }
             write_report(report, str(report_path))
             log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
             self.save_marker(f"eval-{self.config.run}-{name}", settings)
@@ -618,31 +642,21 @@ def _latest_step(run_dir: Path) -> int:
     return done[-1][0] if done else 0
 
 
-def zlab_parity(config: EvalConfig) -> dict[str, Any] | None:
-    """z-lab's loop and `flashdraft eval` (HF loop) on the same export and prompts, both in
-    fp32, where the two must agree: in bf16 a near-tie of the target's top logits flips
-    between the two loops' forwards, the texts part and their taus are measured on different
-    text (benchmarks/zlab_parity_cpu_20261201.md). On the first 4 prompts: exact agreement
-    needs no more, and both loops are eager here. None without the `dflash` package."""
+def zlab_parity(config: EvalConfig) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """`flashdraft eval` (its HF loop) and z-lab's loop on the same export and prompts, both
+    in fp32, where the two must agree (in bf16 a near-tie of the target's top logits flips
+    between the two loops' forwards and the taus are measured on different text,
+    benchmarks/zlab_parity_cpu_20261201.md): (our report, z-lab's tau and steps), or None
+    without the `dflash` package."""
     if importlib.util.find_spec("dflash") is None:
         return None
-    fp32 = dataclasses.replace(
-        config,
-        dtype="float32",
-        decoder="hf",
-        reference=False,
-        limit=min(4, config.limit or 4),
-        output=str(Path(config.output).with_suffix(".fp32.json")),
-    )
+    fp32 = dataclasses.replace(config, dtype="float32", decoder="hf")
     model, tokenizer = load_eval_target(fp32)
     ours = run_eval(fp32, model, tokenizer, load_drafter(config.drafter))
     theirs = zlab_reference(model, tokenizer, fp32)
     del model
     _free_memory()
-    if theirs is None:
-        return None
-    steps = ours["total_steps"]
-    return {**theirs, "flashdraft_tau": ours["tau"], "flashdraft_steps": steps, "dtype": "float32"}
+    return None if theirs is None else (ours, theirs)
 
 
 def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, Any] | None:

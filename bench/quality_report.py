@@ -108,7 +108,7 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
     zlab = _per_kind(parity, lambda z: f"{z['tau'] / z.get('flashdraft_tau', z['eval_tau']):.3f}")
     numerics = "fp32" if all("flashdraft_tau" in z for z in parity.values()) else "bf16 eval"
     sampled = _per_kind(
-        {k: r for k, r in summary.get("sampled", {}).items() if r is not None},
+        {k: r for k, r in summary["sampled"].items() if r is not None},
         lambda r: f"{r['tau']:.3f}",
     )
     hardware = env.get("gpu") or f"CPU ({env.get('cpu', '?')}, {env.get('threads', '?')} threads)"
@@ -128,7 +128,7 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
         f"| T = 1, rejection sampling: tau | {sampled} | reported |",
         "",
     ]
-    trained = {k: r for k, r in summary.get("trained", {}).items() if r is not None}
+    trained = {k: r for k, r in summary["trained"].items() if r is not None}
     if trained:
         fit = ", ".join(
             f"{k} {r['tau']:.2f} / {evals[k]['tau']:.2f}" for k, r in trained.items() if k in evals

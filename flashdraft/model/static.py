@@ -97,6 +97,13 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _visible(slot: Tensor, position: Tensor, window: int | None) -> Tensor:
+    """The cache slots a query at `position` attends to: every earlier slot and its own,
+    within the last `window` for sliding layers (one rule for the SDPA and flex masks)."""
+    seen = slot <= position
+    return seen if window is None else seen & (position - slot < window)
+
+
 class StaticLM:
     """An HF causal LM's forward with its own K/V buffers, [R, Hkv, L, D] per layer.
 
@@ -170,12 +177,11 @@ class StaticLM:
         visible from position p iff j <= p (and p - j < W)."""
         slots = self._slots[:kv_len][None, None, :]
         p = positions[:, :, None]
-        causal = slots <= p
         r, n = positions.shape
         g = self.num_heads // self.num_kv_heads
         masks = {}
         for window in set(self.windows):
-            visible = causal if window is None else causal & (p - slots < window)
+            visible = _visible(slots, p, window)
             # GQA folded into the query axis (query head h = kv * G + g, as HF's repeat_kv):
             # the fast SDPA kernels take a mask only without enable_gqa.
             masks[window] = (
@@ -198,8 +204,7 @@ class StaticLM:
             def visible(
                 b: Tensor, h: Tensor, q: Tensor, kv: Tensor, w: int | None = window
             ) -> Tensor:
-                seen = kv <= at[b]
-                return seen if w is None else seen & (at[b] - kv < w)
+                return _visible(kv, at[b], w)
 
             masks[window] = BlockMask.from_kv_blocks(
                 count[:, None, None],
