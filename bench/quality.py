@@ -526,7 +526,7 @@ class Pipeline:
     def trained_prompts(self, kind: str) -> Path | None:
         """The first --eval-prompts prompts of `kind` that the greedy pass answered (so the
         drafter trained on their answers), written once; None when there are none."""
-        out = self.out / "prompts" / "trained" / f"{kind}.jsonl"
+        out = self.out / "prompts" / "trained" / f"{kind}_{self.config.eval_prompts}.jsonl"
         answered = self.out / "gen" / "greedy.prompts.jsonl"
         if not out.exists() and answered.exists():
             picked: list[str] = []
