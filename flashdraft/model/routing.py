@@ -55,8 +55,11 @@ class PinnedRouting:
         """Inside the block each router returns rows start..stop-1 of what it returned in the
         recorded forward (the tokens of one document of a packed row of batch 1)."""
 
+        fired = [False] * len(self.routers)
+
         def pinned(i: int) -> Callable[[nn.Module, Any, Any], Any]:
             def hook(module: nn.Module, args: Any, output: Any) -> Any:
+                fired[i] = True
                 recorded = self.recorded[i]
                 if recorded is None:
                     raise RuntimeError("replay without a recorded forward")
@@ -74,6 +77,15 @@ class PinnedRouting:
 
         with _hooks(self.routers, pinned):
             yield
+        # A router the forward went around (a fused or compiled MoE path) was not pinned, and
+        # the check would then compare unpinned routes: say so instead of failing vaguely.
+        ran = zip(self.routers, fired, strict=True)
+        missed = sorted({type(r).__name__ for r, hit in ran if not hit})
+        if missed:
+            raise RuntimeError(
+                f"{', '.join(missed)}: {fired.count(False)} of {len(fired)} routers did not run "
+                "in the pinned forward, so its routing was not replayed; please report the model"
+            )
 
 
 def _as_tuple(output: Any) -> tuple[Tensor, ...]:

@@ -321,10 +321,14 @@ def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
         assert target.linear is not None
         target.linear.remove()
     fla, per_doc = outputs
+    hidden = model.config.hidden_size
+    errors = []  # per row, per layer: a failure says where the paths part
     for r, row in enumerate(docs):
         real = sum(len(d) for d in row)
         a, b = fla[r, :real].float(), per_doc[r, :real].float()
-        assert float((a - b).norm() / b.norm()) < 2e-2, (kind, r)
+        cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(a.shape[-1] // hidden)]
+        errors.append([round(float((a[:, c] - b[:, c]).norm() / b[:, c].norm()), 4) for c in cuts])
+    assert max(max(row) for row in errors) < 2e-2, (kind, errors)
 
 
 @pytest.mark.gpu

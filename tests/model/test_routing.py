@@ -77,3 +77,29 @@ def test_a_router_of_another_layout_is_refused_in_one_line() -> None:
         model(torch.randn(1, 10, 4))
     with pytest.raises(ValueError, match="not one row per token"), pins.replay(2, 5):
         model(torch.randn(1, 3, 4))
+
+
+class SkipsSecondRouter(nn.Module):
+    """A model whose forward can go around its second router (as a fused MoE kernel would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = BatchFirstTopKRouter(), BatchFirstTopKRouter()
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        return x if self.skip else self.second(x)
+
+
+def test_a_router_the_pinned_forward_went_around_is_refused() -> None:
+    model = SkipsSecondRouter()
+    pins = routing.PinnedRouting(model)
+    tokens = torch.randn(6, 4)  # one row per token: the layout replay slices
+    with pins.record():
+        model(tokens)
+    with pins.replay(1, 4):
+        model(tokens[1:4])  # both routers ran: pinned
+    model.skip = True
+    with pytest.raises(RuntimeError, match="1 of 2 routers did not run"), pins.replay(1, 4):
+        model(tokens[1:4])
