@@ -45,9 +45,10 @@ class Stopwatch:
     def add(self, name: str, start: Any, end: Any) -> None:
         self.spans.setdefault(name, []).append((start, end))
 
-    def seconds(self, name: str) -> float:
-        """Total seconds of a phase since the last call (syncs on CUDA)."""
-        spans = self.spans.pop(name, [])
+    def seconds(self, name: str, keep: bool = False) -> float:
+        """Total seconds of a phase since the last call (syncs on CUDA); `keep`: count them
+        again in the next call."""
+        spans = self.spans.get(name, []) if keep else self.spans.pop(name, [])
         if self.cuda:
             if spans:
                 spans[-1][1].synchronize()
