@@ -182,7 +182,11 @@ peer)
   # (`WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh`, 7.3 MB). A second call resumes at
   # the eval when the training finished.
   $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1 || true
-  PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout 585 python3 bench/peer_recipe.py \
+  # PEER_ARGS: e.g. "--steps 4624", the steps of the flashdraft run it is compared with (the
+  # preset's 6 epochs are 13,872 steps: more than one call holds, and the peer run does not
+  # resume mid-training)
+  # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
+  PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout 585 python3 bench/peer_recipe.py ${PEER_ARGS:-} \
     --data "$RUN_DIR/data" --output "$RUN_DIR/runs/peer-speculators" --eval-prompts \
     "$RUN_DIR"/prompts/held_out/chat.jsonl "$RUN_DIR"/prompts/held_out/humaneval.jsonl \
     "$RUN_DIR"/prompts/held_out/code.jsonl > "$OUT/peer.txt" 2>&1

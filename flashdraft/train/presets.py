@@ -101,12 +101,14 @@ def smollm2_135m(
     (chat turns, HumanEval, code mined from installed Python sources), one H200 in at most
     20 minutes. 3 draft layers (SmolLM2 has 30: taps by the default rule), B = 16, A = 512
     anchors per 8192-token row, the target's argmax as labels, decay gamma 7, AdamW at 6e-4
-    with warmup and cosine decay; real draft-and-verify evals on 16 held-out prompts
-    (8 chat, 8 HumanEval) every 2000 steps give the tau-vs-tokens curve.
+    with warmup and cosine decay, 6 epochs; real draft-and-verify evals on 16 held-out
+    prompts (8 chat, 8 HumanEval) every 5000 steps give the tau-vs-tokens curve.
 
-    These are starting values. The ablations that must set them, on the GPU, with
-    `bench/quality.py train --run NAME --set ...` on the same data and steps, each recorded
-    in benchmarks/: 3 vs 5 draft layers; lr (3e-4, 6e-4, 1.2e-3); exponential decay gamma
+    Measured on one H200 (benchmarks/quality_h200_20261201_*.md, 40K prompts): 6 epochs
+    (13,872 steps, ~8 minutes of steps) over 2 raised held-out tau by 27-32% on every kind;
+    A = 2048 over 512 gave 3-5% for 2.3x the step time. Still to set, the same way
+    (`bench/quality.py train --run NAME --set ...`, same data and steps, recorded in
+    benchmarks/): 3 vs 5 draft layers; lr (3e-4, 6e-4, 1.2e-3); exponential decay gamma
     vs a D-PACE-style position weighting (`loss.weighting = "dpace"`); hard labels (the
     target's argmax) vs soft ones (KL to the target's top-k distribution at the block
     positions: `loss.labels = "soft"`). `steps` stops early (default: every epoch)."""
@@ -117,10 +119,10 @@ def smollm2_135m(
         data=DataSection(datasets=list(datasets), row_tokens=8192, overlong="split"),
         drafter=DrafterSection(num_layers=3, block_size=16),
         loss=LossSection(anchors=512, gamma=7.0, labels="target"),
-        optim=OptimSection(lr=6e-4, schedule="cosine", warmup_steps=200, epochs=2, max_steps=steps),
+        optim=OptimSection(lr=6e-4, schedule="cosine", warmup_steps=200, epochs=6, max_steps=steps),
         checkpoint=CheckpointSection(every=500, keep=2),
         log=LogSection(every=20),
-        eval=EvalSection(every=2000, prompts=eval_prompts, num_prompts=16, max_new_tokens=128),
+        eval=EvalSection(every=5000, prompts=eval_prompts, num_prompts=16, max_new_tokens=128),
     )
 
 
