@@ -298,37 +298,71 @@ def test_fla_varlen_layers_equal_each_document_alone_on_cuda(kind) -> None:
             assert error < 2e-2, (kind, i, error)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
-    """The whole model: fla's packed path vs the per-document fallback, the MoE kinds with
-    the fla run's expert routing replayed in the other (`flashdraft.model.routing`). Without
-    that, on the 2026-12-01 H200 run, they differed by 0.04-0.11 (relative) while each linear
-    layer alone matched (above): routing flips under bf16 rounding."""
-    kernels, why = hybrid.fla_kernels()
-    if kernels is None:
-        pytest.skip(why)
-    model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
+def packed_path_errors(kind: str, kernels, device: str) -> tuple[list, list]:
+    """Per row and tapped layer, the relative error against the fp32 per-document forward of
+    the same weights (torch arithmetic, the MoE kinds' expert routing recorded there and
+    replayed) of: the bf16 packed path with `kernels`, and the bf16 per-document path."""
+    reference = tiny_hybrid(kind).to(device)
+    model = tiny_hybrid(kind).to(device, torch.bfloat16)
     docs, ids, positions, doc_ids = packed_batch(model.config.vocab_size)
-    ids, positions, doc_ids = ids.cuda(), positions.cuda(), doc_ids.cuda()
-    pins = PinnedRouting(model)
+    ids, positions, doc_ids = ids.to(device), positions.to(device), doc_ids.to(device)
+    pins, bf16_pins = PinnedRouting(reference), PinnedRouting(model)
     outputs = []
-    for choice, routes in ((kernels, pins.record()), ("per-document", pins.replay(0, ids.numel()))):
-        target = every_tap(model, linear_kernels=choice)
+    for net, choice, routes in (
+        (reference, hybrid.REFERENCE_KERNELS, pins.record()),
+        (model, kernels, bf16_pins.replay(0, ids.numel())),
+        (model, "per-document", bf16_pins.replay(0, ids.numel())),
+    ):
+        bf16_pins.recorded = pins.recorded
+        target = every_tap(net, linear_kernels=choice)
         with routes:
             outputs.append(target.packed_outputs(ids, positions, doc_ids, None).features)
         target.taps.remove()
         assert target.linear is not None
         target.linear.remove()
-    fla, per_doc = outputs
+    exact, packed, per_doc = outputs
     hidden = model.config.hidden_size
-    errors = []  # per row, per layer: a failure says where the paths part
-    for r, row in enumerate(docs):
-        real = sum(len(d) for d in row)
-        a, b = fla[r, :real].float(), per_doc[r, :real].float()
-        cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(a.shape[-1] // hidden)]
-        errors.append([round(float((a[:, c] - b[:, c]).norm() / b[:, c].norm()), 4) for c in cuts])
-    assert max(max(row) for row in errors) < 2e-2, (kind, errors)
+
+    def errors(got):  # per row, per layer: a failure says where the paths part
+        rows = []
+        for r, row in enumerate(docs):
+            real = sum(len(d) for d in row)
+            a, b = got[r, :real].float(), exact[r, :real].float()
+            cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(a.shape[-1] // hidden)]
+            rows.append([float((a[:, c] - b[:, c]).norm() / b[:, c].norm()) for c in cuts])
+        return rows
+
+    return errors(packed), errors(per_doc)
+
+
+def assert_within_bf16_noise(kind: str, packed: list, per_doc: list) -> None:
+    """The packed path may differ from exact only as much as bf16 itself does. A leak across
+    documents is far above that (the issue: 1.0 after the first full-attention layer); bf16
+    alone is ~2% after four layers of these random models, the level the 2026-12-01 H200
+    run's fixed 2e-2 bound sat on (qwen3_5_moe failed it with its routing pinned)."""
+    for p_row, d_row in zip(packed, per_doc, strict=True):
+        for p, d in zip(p_row, d_row, strict=True):
+            assert p <= 1.5 * d + 5e-3, (kind, [[round(e, 4) for e in r] for r in packed], per_doc)
+
+
+def test_the_bf16_noise_bound_holds_with_reference_kernels_on_cpu() -> None:
+    """The GPU test's measurement on the CPU, the reference kernels standing in for fla."""
+    packed, per_doc = packed_path_errors("qwen3_5_moe", hybrid.REFERENCE_KERNELS, "cpu")
+    assert 1e-3 < max(max(r) for r in per_doc) < 5e-2  # bf16 noise is measured, not zero
+    assert_within_bf16_noise("qwen3_5_moe", packed, per_doc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_fla_varlen_path_equals_the_per_document_path_on_cuda(kind) -> None:
+    """The whole model: fla's packed path vs exact, within what the per-document path's own
+    bf16 rounding gives (the MoE kinds with the exact run's expert routing replayed in both:
+    without it they differed by 0.04-0.11 on the first H200 run, routing flips under bf16)."""
+    kernels, why = hybrid.fla_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    packed, per_doc = packed_path_errors(kind, kernels, "cuda")
+    assert_within_bf16_noise(kind, packed, per_doc)
 
 
 @pytest.mark.gpu
