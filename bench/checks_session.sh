@@ -12,6 +12,13 @@
 #   smol      issue 17: the SmolLM2-shaped online step at 8192- vs 32768-token rows
 #   hybrid    issue 20: the GPU tests of the hybrid (fla varlen) path and of the graphed
 #             decoders, then the Qwen3.6-27B-shaped bench against its dense stand-in
+#   cold      issue 17: the cold first step of the SmolLM2-shaped run (first on a fresh
+#             machine), the target compiled per layer and as one stack, side by side (8 cores
+#             each, own inductor caches), with dynamo's compile-time account
+#   warm      the SmolLM2-shaped step, warm (the `cold` layers cache), with a kernel profile
+#   stacked   the same step with R = 2 and 4 rows per forward (optim.rows_per_forward)
+#   gen       static-slot generation at 512 slots: sdpa / flex decode steps, eager / compiled
+#             dense layer parts, with the phase split (prefill, decode ms per step)
 # Wheels for `hybrid`: `bash bench/fla_wheels.sh` (fla-core, einops) into .whl/fla.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -57,12 +64,54 @@ for stage in "$@"; do
     TAIL=40 step trainer_27b_hybrid "${BENCH_S:-200}" python3 bench/trainer.py \
       --geometry 27b-hybrid --compare-paths --rows 8192 --warmup 2 --iters 6
     ;;
+  cold)
+    smol=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --rows 8192 --first-step)
+    for scope in layers stack; do
+      cores=$([ $scope = layers ] && echo 0-7 || echo 8-15)
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ic_$scope TORCH_LOGS=recompiles timeout "${COLD_S:-270}" \
+        taskset -c "$cores" python3 bench/trainer.py "${smol[@]}" \
+        --set target.compile_scope=$scope > "$OUT/cold_$scope.txt" 2>&1 &
+    done
+    wait
+    for scope in layers stack; do
+      echo "== cold_$scope"
+      grep -E "first step|Recompiling|triggered|guard|async_compile.wait|compile_fx_inner|_compile.compile_inner|bw_compiler|fw_compiler_base|GraphLowering.compile_to_module|Scheduler.codegen|autotune|\"bench\"" \
+        "$OUT/cold_$scope.txt" | cut -c1-220 | tail -40
+    done
+    ;;
+  warm)
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/ic_layers
+    shape=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --rows 8192 --skip-overlap-off --warmup 3
+      --iters 10 --set target.compile_scope=layers)
+    TAIL=50 step warm_r1 150 python3 bench/trainer.py "${shape[@]}" --profile
+    ;;
+  stacked)
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/ic_layers
+    shape=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --rows 8192 --skip-overlap-off --warmup 3
+      --iters 10 --set target.compile_scope=layers)
+    for r in ${STACKED_R:-4 2}; do
+      TAIL=12 step "stacked_r$r" "${STACKED_S:-200}" python3 bench/trainer.py "${shape[@]}" \
+        --rows-per-forward "$r"
+    done
+    ;;
+  gen)
+    common=(--synthetic --backends static --prompts 2048 --prompt-lengths 200,1200
+      --max-new-tokens 192 --batch-size 512)
+    TAIL=8 step gen_sdpa 90 python3 bench/generate.py "${common[@]}"
+    TAIL=8 step gen_sdpa_compiled 120 python3 bench/generate.py "${common[@]}" --compile
+    TAIL=8 step gen_flex 120 python3 bench/generate.py "${common[@]}" --attention flex
+    TAIL=8 step gen_flex_compiled 150 python3 bench/generate.py "${common[@]}" --attention flex \
+      --compile
+    ;;
   dense)  # the hybrid's dense stand-in (64 x 5120, full attention everywhere), same rows
     TAIL=40 step trainer_27b_dense "${BENCH_S:-200}" python3 bench/trainer.py \
       --geometry 27b-dense --rows 8192 --warmup 2 --iters 6
     ;;
   *)
-    echo "unknown stage $stage (generate, smol, hybrid, dense)"
+    echo "unknown stage $stage (generate, smol, hybrid, dense, cold, warm, stacked, gen)"
     exit 2
     ;;
   esac

@@ -76,6 +76,11 @@ def parse_args() -> argparse.Namespace:
         help="--synthetic: the static step's attention (flex: each slot reads its own blocks)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="--synthetic: compile the static decode steps' dense layer parts (inductor)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="--synthetic, CUDA: the top kernels by GPU time of the timed run",
@@ -166,7 +171,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
     if args.prompt_lengths:
         low, high = (int(x) for x in args.prompt_lengths.split(","))
     lengths = torch.randint(low, high + 1, (count,), generator=gen)
-    from flashdraft.data.fast_inference import SlotDecoder
+    from flashdraft.data.fast_inference import PhaseTimes, SlotDecoder
 
     SlotDecoder.bucket_bases = (128, 192) if args.buckets == "ladder" else (128,)
     prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
@@ -178,7 +183,14 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
             backend: Any = HFBackend(model, sampling, never, pad_id=0)
             batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         elif name == "static":
-            backend = StaticBackend(model, sampling, never, slots=batch, attention=args.attention)
+            backend = StaticBackend(
+                model,
+                sampling,
+                never,
+                slots=batch,
+                attention=args.attention,
+                compile_backend="inductor" if args.compile else None,
+            )
             batches = [prompts]
         else:
             raise ValueError(f"--backends: {name!r} (hf, static)")
@@ -187,6 +199,8 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        if name == "static" and backend.decoder is not None:
+            backend.decoder.times = PhaseTimes()  # the timed run's own split
         profiler = _profiler(args.profile and device.startswith("cuda"))
         start = time.perf_counter()
         with profiler:
@@ -200,6 +214,8 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
             print(f"== {name}: top kernels by GPU time")
             table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=18)
             print(table)
+        if name == "static" and backend.decoder is not None:
+            print(f"== static phases: {json.dumps(backend.decoder.times.as_dict())}")
         rows.append(
             {
                 "backend": name,
@@ -207,6 +223,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
                 "batch/slots": batch,
                 "buckets": args.buckets if name == "static" else "-",
                 "attention": args.attention if name == "static" else "-",
+                "compiled": args.compile if name == "static" else "-",
                 "new tokens": new,
                 "generated": tokens,
                 "s": round(seconds, 2),

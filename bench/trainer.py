@@ -30,6 +30,7 @@ import argparse
 import gc
 import sys
 import tempfile
+import time
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import plan_run
-from flashdraft.train.trainer import Trainer
+from flashdraft.train.trainer import PHASES, Interval, Trainer
 
 log = get_logger("bench.trainer")
 
@@ -124,10 +125,13 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
         f"drafter.mask_token_id={args.vocab - 1}",
         f"loss.anchors={args.anchors}",
         f"loss.chunk_rows={args.chunk_rows}",
+        f"optim.grad_accum={args.rows_per_forward}",
+        f"optim.rows_per_forward={args.rows_per_forward}",
         "log.tensorboard=false",
         "log.progress=false",
         f"parallel.overlap={str(overlap).lower()}",
         f"compile={str(not args.no_compile).lower()}",
+        *args.set,
     ]
     config = load_run_config(None, overrides)
     dataset = SyntheticDataset(args.docs, args.doc_min, args.doc_max, args.vocab)
@@ -145,6 +149,8 @@ def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[
         iters=args.iters,
         without_overlap=first and not args.skip_overlap_off,
     )
+    if first and args.profile and device.type == "cuda":
+        profile_steps(trainer)
     target = trainer.target
     if first and args.compare_paths and target is not None and target.linear is not None:
         # Packed (the path chosen at start-up) vs one document at a time through the linear
@@ -199,6 +205,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--linear-head-dim", type=int, default=128, help="27b-hybrid")
     p.add_argument("--rows", default="8192,16384")
     p.add_argument("--chunk-rows", type=int, default=2048)
+    p.add_argument(
+        "--rows-per-forward",
+        type=int,
+        default=1,
+        help="rows stacked in one target + drafter forward (optim.rows_per_forward; a step "
+        "takes that many rows)",
+    )
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--no-compile", action="store_true")
@@ -207,6 +220,24 @@ def parse() -> argparse.Namespace:
         "--compare-paths",
         action="store_true",
         help="hybrid: also time the full step with the per-document linear layers",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run-config override, as `flashdraft train --set` (e.g. target.compile_scope=layers)",
+    )
+    p.add_argument(
+        "--first-step",
+        action="store_true",
+        help="only the cold start: build the trainer, time its first two steps, print where "
+        "compilation spent its time (run it with an empty inductor cache)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: after the timings, the top kernels of a few full steps (torch.profiler)",
     )
     p.add_argument("--smoke", action="store_true")
     # The geometry's shape is the default; flags given explicitly still win.
@@ -225,9 +256,76 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def first_step(args: argparse.Namespace, device: torch.device) -> int:
+    """The cold start of a run: trainer built, then its first two steps timed apart, and
+    dynamo's own account of the compilation (issue 17: cold <= 60 s)."""
+    from torch._dynamo.utils import compile_times
+
+    from flashdraft.train.bench import unique_graphs
+
+    start = time.perf_counter()
+    model = target_model(args, device)
+    row = int(args.rows.split(",")[0])
+    trainer = make_trainer(args, device, model, row, overlap=True)
+    rows = trainer.stream.iterate(iter(range(10**9)), 2)
+    built = time.perf_counter() - start
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        trainer.train_step([next(rows) for _ in range(args.rows_per_forward)], Interval())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    target, drafter = (trainer.stopwatch.seconds(k, keep=True) for k in PHASES)
+    log.info(compile_times(repr="str", aggregate=True))
+    result = {
+        "bench": "trainer-first-step",
+        "build_s": round(built, 1),
+        "first_step_s": round(times[0], 1),
+        "second_step_s": round(times[1], 3),
+        "first_two_target_s": round(target, 1),
+        "first_two_drafter_s": round(drafter, 1),
+        "graphs": unique_graphs(),
+        "settings": args.set,
+        **environment(),
+    }
+    log.info(
+        f"first step {times[0]:.1f} s (target {target:.1f} s, drafter {drafter:.1f} s over "
+        f"two steps), second {times[1] * 1e3:.1f} ms, {result['graphs']} graphs"
+    )
+    print_json(result)
+    return 0
+
+
+def profile_steps(trainer: Trainer, steps: int = 3) -> None:
+    """The top CUDA kernels of a few full steps, and how much of the step the GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = trainer.stream.iterate(iter(range(10**9)), 2)
+    per_step = trainer.config.optim.grad_accum
+    trainer.train_step([next(rows) for _ in range(per_step)], Interval())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step([next(rows) for _ in range(per_step)], Interval())
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    log.info(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    log.info(
+        f"profile: {steps} steps in {wall * 1e3:.1f} ms wall (under the profiler), GPU busy "
+        f"{busy * 1e3:.1f} ms ({busy / wall:.0%}); kernels launched "
+        f"{sum(e.count for e in events if e.device_type.name == 'CUDA')}"
+    )
+
+
 def main() -> int:
     args = parse()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.first_step:
+        return first_step(args, device)
     peak = matmul_peak(device)
     model = target_model(args, device)
     rows = [int(r) for r in args.rows.split(",")]

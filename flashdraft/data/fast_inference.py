@@ -29,6 +29,7 @@ requests shared its steps, and no generator runs inside the graphs.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,32 @@ def cache_length(longest_prompt: int, max_new_tokens: int, sync_every: int) -> i
 
 
 @dataclass(slots=True)
+class PhaseTimes:
+    """Where a decoder's wall time went (host clock). Every prefill batch and every window
+    ends in a host read (a sync), so each span covers its GPU work: no extra syncs."""
+
+    prefill_s: float = 0.0  # admitting prompts: the eager prefill batches
+    decode_s: float = 0.0  # the windows of decode steps (graph replays) and their read
+    capture_s: float = 0.0  # capturing new graphs (inside the windows, counted apart)
+    prefill_tokens: int = 0  # prompt tokens prefilled (padding included)
+    prefill_batches: int = 0
+    steps: int = 0  # decode steps (each advances every slot by one token)
+    slot_steps: int = 0  # of those x slots, the ones that held a request
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "prefill_s": round(self.prefill_s, 3),
+            "decode_s": round(self.decode_s - self.capture_s, 3),
+            "capture_s": round(self.capture_s, 3),
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_batches": self.prefill_batches,
+            "steps": self.steps,
+            "ms_per_step": round(1e3 * (self.decode_s - self.capture_s) / max(1, self.steps), 3),
+            "slot_use": round(self.slot_steps / max(1, self.steps), 1),
+        }
+
+
+@dataclass(slots=True)
 class _Slot:
     request: int = -1  # index of the request it holds, -1 when free
     position: int = 0  # the position of its last token (what the next step feeds)
@@ -63,7 +90,8 @@ class SlotDecoder:
     (`cache_length`); stop_ids end a request (the stop token is kept in its tokens);
     sync_every: steps between host reads; prefill_tokens: prompt tokens (padded) per prefill
     batch; graphs: capture the steps (default: on CUDA); attention: the steps' attention,
-    "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks).
+    "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
+    compile the decode steps' dense layer parts first (`StaticLM.compile_layers`).
     """
 
     def __init__(
@@ -81,8 +109,11 @@ class SlotDecoder:
         prefill_tokens: int = 16384,
         graphs: bool | None = None,
         attention: str = "sdpa",
+        compile_backend: str | None = None,
     ) -> None:
         self.lm = StaticLM(model, slots, max_len, attention=attention)
+        if compile_backend is not None:
+            self.lm.compile_layers(compile_backend)
         self.slots, self.max_len, self.max_new = slots, max_len, max_new_tokens
         self.stop = frozenset(stop_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -98,6 +129,7 @@ class SlotDecoder:
         self._graphs: dict[tuple[int, int], Any] = {}
         self._pool: Any = None
         self._state = [_Slot() for _ in range(slots)]
+        self.times = PhaseTimes()
 
     # ---- sampling and the step (device only, graph-capturable) ----
 
@@ -121,12 +153,14 @@ class SlotDecoder:
             return
         graph = self._graphs.get((k, kv_len))
         if graph is None:
+            start = time.perf_counter()
             # Warm-up writes K/V at each slot's current and next position: overwritten by
             # the real steps before any query reads them.
             with preserved([self.tok, self.pos, self.window]):
                 graph = capture(lambda: self._step(k, kv_len), pool=self._pool)
             self._pool = graph.pool()
             self._graphs[(k, kv_len)] = graph
+            self.times.capture_s += time.perf_counter() - start
         graph.replay()
 
     # Attention reads the first kv_len slots of every row, kv_len = b * 2^i for a base b:
@@ -152,6 +186,7 @@ class SlotDecoder:
         self, slots: list[int], prompts: list[Sequence[int]], seeds: list[int]
     ) -> list[int]:
         """Right-padded batch prefill into the slots' rows; returns each first token."""
+        start = time.perf_counter()
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for i, prompt in enumerate(prompts):
@@ -167,7 +202,11 @@ class SlotDecoder:
         self.pos[rows] = last + 1
         self.live[rows] = 1
         self.seeds[rows] = request_seeds
-        return first.tolist()  # host sync, once per prefill batch
+        firsts = first.tolist()  # host sync, once per prefill batch
+        self.times.prefill_s += time.perf_counter() - start
+        self.times.prefill_tokens += width * len(prompts)
+        self.times.prefill_batches += 1
+        return firsts
 
     def _admit(
         self,
@@ -244,9 +283,13 @@ class SlotDecoder:
                 return results
             furthest = max(self._state[s].position for s in active) + self.sync_every
             kv_len = self._attention_length(furthest)
+            start = time.perf_counter()
             for k in range(self.sync_every):
                 self._run_step(k, kv_len)
             window = self.window.tolist()  # the one host sync per window
+            self.times.decode_s += time.perf_counter() - start
+            self.times.steps += self.sync_every
+            self.times.slot_steps += self.sync_every * len(active)
             on_tokens(self._collect(active, window, results))
 
     def _collect(self, active: list[int], window: list[list[int]], results: list[list[int]]) -> int:

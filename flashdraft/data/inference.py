@@ -232,6 +232,7 @@ class StaticBackend:
         sync_every: int = 8,
         graphs: bool | None = None,
         attention: str = "sdpa",
+        compile_backend: str | None = None,
     ):
         reason = unsupported_reason(model)
         if reason is not None:
@@ -241,6 +242,7 @@ class StaticBackend:
         self.max_positions = limit if isinstance(limit, int) else None
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
         self.sync_every, self.graphs, self.attention = sync_every, graphs, attention
+        self.compile_backend = compile_backend
         self._decoder: SlotDecoder | None = None
 
     def _decoder_for(self, prompts: list[list[int]]) -> SlotDecoder:
@@ -266,8 +268,14 @@ class StaticBackend:
             sync_every=self.sync_every,
             graphs=self.graphs,
             attention=self.attention,
+            compile_backend=self.compile_backend,
         )
         log.info(f"generate: static cache of {slots} slots x {length} positions")
+        return self._decoder
+
+    @property
+    def decoder(self) -> SlotDecoder | None:
+        """The slot decoder of the last call (its `times` say where the time went)."""
         return self._decoder
 
     def generate(

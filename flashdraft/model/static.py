@@ -104,6 +104,33 @@ def _visible(slot: Tensor, position: Tensor, window: int | None) -> Tensor:
     return seen if window is None else seen & (position - slot < window)
 
 
+def _project(
+    layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], shape: tuple[int, int, int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer's input norm, q/k/v projections, per-head norms (Qwen3) and RoPE:
+    x [R, n, H] -> q [R, Hq, n, D], k / v [R, Hkv, n, D]."""
+    hq, hkv, d = shape
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    r, n, _ = h.shape
+    q = attn.q_proj(h).view(r, n, hq, d)
+    k = attn.k_proj(h).view(r, n, hkv, d)
+    v = attn.v_proj(h).view(r, n, hkv, d)
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = rope[0][:, None], rope[1][:, None]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, h, n, D]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def _finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
+    """The rest of a decoder layer after attention: output projection, residual, MLP."""
+    x = x + layer.self_attn.o_proj(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 class StaticLM:
     """An HF causal LM's forward with its own K/V buffers, [R, Hkv, L, D] per layer.
 
@@ -164,6 +191,7 @@ class StaticLM:
         blocks = torch.arange(max_len // FLEX_BLOCK, dtype=torch.int32, device=self.device)
         self._kv_indices = blocks[None, None, None, :]  # every row reads blocks 0, 1, ...
         self._flex = _compiled_flex if self.device.type == "cuda" else flex_attention
+        self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (_project, _finish)
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -219,26 +247,18 @@ class StaticLM:
     def _attention(
         self,
         i: int,
-        x: Tensor,
-        rope: tuple[Tensor, Tensor],
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         positions: Tensor,
         mask: Tensor | BlockMask,
         rows: Tensor | None,
         kv_len: int,
     ) -> Tensor:
-        """x [R, n, H] normed -> attention output [R, n, H]; writes this call's K/V first."""
-        attn = self.layers[i].self_attn
-        r, n, _ = x.shape
-        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q = attn.q_proj(x).view(r, n, hq, d)
-        k = attn.k_proj(x).view(r, n, hkv, d)
-        v = attn.v_proj(x).view(r, n, hkv, d)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = rope[0][:, None], rope[1][:, None]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, h, n, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D];
+        writes this call's K/V into layer i's cache first."""
+        r, _, n, d = q.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
         keys, values = self.keys[i], self.values[i]
         if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
             index = positions[:, None, :, None].expand(r, hkv, n, d)
@@ -254,13 +274,23 @@ class StaticLM:
                 q, keys, values, block_mask=mask, scale=self.scale, enable_gqa=hq != hkv
             )  # [R, Hq, n, D]
             assert isinstance(flex, Tensor)
-            return attn.o_proj(flex.transpose(1, 2).reshape(r, n, hq * d))
+            return flex.transpose(1, 2).reshape(r, n, hq * d)
         g = hq // hkv
         out = F.scaled_dot_product_attention(
             q.reshape(r, hkv, g * n, d), keys, values, attn_mask=mask, scale=self.scale
         )  # [R, Hkv, G*n, D]
-        out = out.reshape(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d)
-        return attn.o_proj(out)
+        return out.reshape(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d)
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Compile the dense parts of every decoder layer for the decode steps (all rows, one
+        token: `rows` None): the norms, projections, RoPE and MLP, fused by inductor; the
+        cache write and attention stay as they are, so one graph per part serves every
+        attention length and every layer (the modules are inputs, not constants). Prefill
+        calls keep the eager parts (their shapes vary with each batch)."""
+        self._decode_parts = (
+            torch.compile(_project, backend=backend, dynamic=False),
+            torch.compile(_finish, backend=backend, dynamic=False),
+        )
 
     def __call__(
         self,
@@ -287,10 +317,14 @@ class StaticLM:
             masks = self._masks(positions, kv_len)
         wanted = set(self.tap_ids)
         taps: dict[int, Tensor] = {}
+        project, finish = (
+            self._decode_parts if rows is None and ids.shape[1] == 1 else (_project, _finish)
+        )
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            x = x + self._attention(i, h, rope, positions, masks[self.windows[i]], rows, kv_len)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            q, k, v = project(layer, x, rope, shape)
+            out = self._attention(i, q, k, v, positions, masks[self.windows[i]], rows, kv_len)
+            x = finish(layer, x, out)
             if i in wanted:
                 taps[i] = x  # the z-lab convention: the output of decoder layer i (SPEC 3)
         if logits_at is not None:

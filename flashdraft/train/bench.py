@@ -95,16 +95,18 @@ def step_flops(trainer: Trainer) -> tuple[float, float]:
 def _time_parts(
     trainer: Trainer, rows: list[Row], record: Callable[[str, Callable[[], None], float], None]
 ) -> None:
-    """Time the target forward alone and the drafter step alone (on one fixed batch, freed
-    on return so that it does not count in the full step's peak memory)."""
+    """Time the target forward alone and the drafter step alone, each on one forward's rows
+    (`optim.rows_per_forward`; one fixed batch for the drafter, freed on return so that it
+    does not count in the full step's peak memory)."""
     device, config = trainer.device, trainer.config
-    batch = trainer.make_batch(rows[0])
+    per = config.optim.rows_per_forward
+    batch = trainer.make_batch(rows[:per])
     counter = iter(range(10**9))
-    queries = config.loss.anchors * trainer.block
+    queries = config.loss.anchors * trainer.block * per
     normaliser = torch.tensor(float(queries), device=device)
 
     def target_only() -> None:
-        trainer.make_batch(rows[next(counter) % len(rows)])
+        trainer.make_batch([rows[next(counter) % len(rows)] for _ in range(per)])
 
     def drafter_only() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -123,43 +125,49 @@ def _time_parts(
         trainer.optimizer.zero_grad(set_to_none=True)
 
     target_flops, drafter_flops = step_flops(trainer)
-    record("target forward", target_only, target_flops)
-    record("drafter step", drafter_only, drafter_flops)
+    record("target forward", target_only, target_flops * per)
+    record("drafter step", drafter_only, drafter_flops * per)
 
 
 def time_trainer(
     trainer: Trainer, *, parts: bool, warmup: int, iters: int, without_overlap: bool = False
 ) -> list[dict[str, Any]]:
-    """Median times of target forward / drafter step (if `parts`) and the full online step
-    (also with rows built inline, no prefetch thread, if `without_overlap`); FLOPs from
-    `step_flops`."""
+    """Median times of target forward / drafter step (if `parts`: one forward's rows) and the
+    full online step (`optim.grad_accum` rows; also with rows built inline, no prefetch
+    thread, if `without_overlap`); FLOPs from `step_flops`, tokens/s from the rows' real
+    tokens."""
     config, device = trainer.config, trainer.device
     target_flops, drafter_flops = step_flops(trainer)
+    per_step, per_forward = config.optim.grad_accum, config.optim.rows_per_forward
     total = trainer.plan.total_rows
-    if total < 4:
+    if total < max(4, per_step):
         raise ValueError(
-            f"bench needs at least 4 packed rows; {', '.join(config.data.datasets)} make {total} "
-            f"of {config.data.row_tokens} tokens: add data or lower data.row_tokens"
+            f"bench needs at least {max(4, per_step)} packed rows; "
+            f"{', '.join(config.data.datasets)} make {total} of {config.data.row_tokens} tokens: "
+            "add data or lower data.row_tokens"
         )
     # As many rows as timing asks for: the stream cycles over the run's rows.
     rows = trainer.stream.iterate((p % total for p in itertools.count()), config.data.prefetch)
-    sample_rows = [next(rows) for _ in range(4)]
+    sample_rows = [next(rows) for _ in range(max(4, per_forward))]
     real_tokens = float(np.mean([r.tokens for r in sample_rows]))
     results: list[dict[str, Any]] = []
 
-    def record(what: str, fn: Callable[[], None], flops: float) -> None:
+    def record(what: str, fn: Callable[[], None], flops: float, row_count: int) -> None:
         timing = measure(fn, device, warmup, iters)
         row = config.data.row_tokens
-        results.append(dict(what=what, row=row, flops=flops, s=timing.median_s, **timing.as_dict()))
+        results.append(
+            dict(what=what, row=row, rows=row_count, flops=flops, s=timing.median_s)
+            | timing.as_dict()
+        )
 
     if parts:
-        _time_parts(trainer, sample_rows, record)
+        _time_parts(trainer, sample_rows, lambda w, f, flops: record(w, f, flops, per_forward))
 
     def full() -> None:
-        trainer.train_step([next(rows)], Interval())
+        trainer.train_step([next(rows) for _ in range(per_step)], Interval())
 
     graphs = unique_graphs()
-    record("full online step", full, target_flops + drafter_flops)
+    record("full online step", full, (target_flops + drafter_flops) * per_step, per_step)
     results[-1]["recompiles_while_timed"] = unique_graphs() - graphs
     if without_overlap:
         # Rows the prefetching run has not touched, so both see fresh rows.
@@ -169,16 +177,22 @@ def time_trainer(
         )
 
         def full_inline() -> None:
-            trainer.train_step([next(inline)], Interval())
+            trainer.train_step([next(inline) for _ in range(per_step)], Interval())
 
-        record("full online step (no overlap)", full_inline, target_flops + drafter_flops)
+        record(
+            "full online step (no overlap)",
+            full_inline,
+            (target_flops + drafter_flops) * per_step,
+            per_step,
+        )
     for r in results:
-        r["tokens_per_s"] = round(real_tokens / r["s"])
+        r["tokens_per_s"] = round(real_tokens * r["rows"] / r["s"])
     return results
 
 
 def summarise(results: list[dict[str, Any]], peak: float) -> dict[str, Any]:
-    """Per-row TFLOP/s and MFU, and the overhead ratio full / (target + drafter)."""
+    """Per-row TFLOP/s and MFU, and the overhead ratio full / (target + drafter) x the step's
+    forwards."""
     for r in results:
         r["tflops"] = round(r["flops"] / r["s"] / 1e12, 2)
         r["mfu"] = round(r["flops"] / r["s"] / peak, 3)
@@ -186,8 +200,9 @@ def summarise(results: list[dict[str, Any]], peak: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if {"target forward", "drafter step", "full online step"} <= set(by):
         t, d, f = by["target forward"]["s"], by["drafter step"]["s"], by["full online step"]["s"]
+        forwards = by["full online step"]["rows"] / by["target forward"]["rows"]
         out = {
-            "overhead_ratio": round(f / (t + d), 3),
+            "overhead_ratio": round(f / ((t + d) * forwards), 3),
             "system_mfu": by["full online step"]["mfu"],
             "tokens_per_s": by["full online step"]["tokens_per_s"],
         }
@@ -197,6 +212,7 @@ def summarise(results: list[dict[str, Any]], peak: float) -> dict[str, Any]:
 COLUMNS = [
     "what",
     "row",
+    "rows",
     "median_ms",
     "p10_ms",
     "p90_ms",

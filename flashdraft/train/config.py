@@ -45,6 +45,12 @@ class TargetSection:
         "once, cold); hybrid and sharded targets always run eagerly",
         tags=SAFE,
     )
+    compile_scope: Literal["layers", "stack"] = option(
+        "stack",
+        help="what one compiled graph covers: a decoder layer (one graph for all of them: the "
+        "cold compile does not grow with depth) or the whole stack",
+        tags=SAFE,
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)
@@ -147,6 +153,14 @@ class OptimSection:
         1.0, gt=0, help="max global gradient norm (0 would zero every gradient)"
     )
     grad_accum: int = option(1, ge=1, help="packed rows per rank per optimizer step")
+    rows_per_forward: int = option(
+        1,
+        ge=1,
+        help="of those, rows stacked into one target forward and one drafter forward (a small "
+        "target's step is launch-bound: R rows cost little more than one); divides grad_accum; "
+        "the gradient is the same",
+        tags=SAFE,
+    )
     epochs: int = option(1, ge=1, help="passes over the data")
     max_steps: int | None = option(None, ge=1, help="stop early (None: all epochs)", tags=SAFE)
 
@@ -154,6 +168,13 @@ class OptimSection:
         cfg.validate(self)
         if len(self.betas) != 2:
             raise cfg.ConfigError("betas", self.betas, "expected two numbers [beta1, beta2]")
+        if self.grad_accum % self.rows_per_forward:
+            raise cfg.ConfigError(
+                "rows_per_forward",
+                self.rows_per_forward,
+                f"must divide optim.grad_accum ({self.grad_accum}): the step's rows go through "
+                "the forward in equal groups",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

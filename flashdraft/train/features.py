@@ -1,8 +1,8 @@
 """Where a drafter rank gets the target's side of each packed row.
 
-A feature source answers two questions for the trainer: the target's output for a row
-(taps [1, T, K*H], the labels [1, A, B-1] and, with `loss.labels = "soft"`, the soft labels
-[1, A, B-1, k]: `TargetOutputs`) and the target's frozen head (embedding and LM head, shared
+A feature source answers two questions for the trainer: the target's output for R rows
+(taps [R, T, K*H], the labels [R, A, B-1] and, with `loss.labels = "soft"`, the soft labels
+[R, A, B-1, k]: `TargetOutputs`) and the target's frozen head (embedding and LM head, shared
 with the drafter). Two implementations, chosen once by `open_feature_source`:
 
 * `LocalTarget` (colocated placement): this rank holds the target and runs it on the row;
@@ -48,7 +48,7 @@ from flashdraft.train.step import DraftBatch
 
 log = get_logger(__name__)
 
-# A row's input ids, positions, document ids ([1, T] each) and anchors ([1, A]) on the device.
+# R rows' input ids, positions, document ids ([R, T] each) and anchors ([R, A]) on the device.
 RowOnDevice = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
@@ -63,8 +63,8 @@ class FeatureSource(Protocol):
         """The target itself when it runs on this rank (in-training eval), else None."""
         ...
 
-    def row_outputs(self, row: Row, on_device: RowOnDevice) -> TargetOutputs:
-        """The taps [1, T, K*H], next tokens [1, A, B-1] and soft labels of `row`."""
+    def row_outputs(self, rows: list[Row], on_device: RowOnDevice) -> TargetOutputs:
+        """The taps [R, T, K*H], next tokens [R, A, B-1] and soft labels of `rows`."""
         ...
 
 
@@ -77,6 +77,36 @@ def device_put(device: torch.device) -> Callable[[Tensor], Tensor]:
         return (t.pin_memory() if non_blocking else t).to(device, non_blocking=non_blocking)[None]
 
     return put
+
+
+def rows_on_device(rows: list[Row], put: Callable[[Tensor], Tensor]) -> RowOnDevice:
+    """What the target's forward takes of `rows`, stacked on the device: [R, T] and [R, A]."""
+    ids, positions, docs, anchors = (
+        stack_put([getattr(r, name) for r in rows], put)
+        for name in ("input_ids", "position_ids", "doc_ids", "anchors")
+    )
+    return ids, positions, docs, anchors
+
+
+def stack_put(parts: list[Tensor], put: Callable[[Tensor], Tensor]) -> Tensor:
+    """Per-row tensors on the device, one row after another along a new first dimension."""
+    moved = [put(t) for t in parts]
+    return moved[0] if len(moved) == 1 else torch.cat(moved)
+
+
+def concat_outputs(outputs: list[TargetOutputs]) -> TargetOutputs:
+    """Several rows' target outputs as one batch of rows (a split placement's drafter rank
+    receives them row by row)."""
+    if len(outputs) == 1:
+        return outputs[0]
+
+    def cat(name: str) -> Tensor | None:
+        parts = [getattr(o, name) for o in outputs]
+        return None if parts[0] is None else torch.cat(parts)
+
+    features = cat("features")
+    assert features is not None
+    return TargetOutputs(features, cat("next_tokens"), cat("soft_ids"), cat("soft_probs"))
 
 
 def soft_label_width(loss: LossSection, vocab_size: int) -> int:
@@ -93,18 +123,21 @@ def soft_label_width(loss: LossSection, vocab_size: int) -> int:
 
 def target_outputs(
     target: Target,
-    row: Row,
+    rows: list[Row],
     on_device: RowOnDevice,
     put: Callable[[Tensor], Tensor],
     loss: LossSection,
     block: int,
 ) -> TargetOutputs:
-    """The target's side of one row: taps [1, T, K*H] and next tokens [1, A, B-1], the labels
-    from the target's own predictions or, with `loss.labels = "data"`, from the row's tokens;
-    with `loss.labels = "soft"` also the target's top-k soft labels [1, A, B-1, k].
-    Shared by the colocated trainer and the split placement's target ranks."""
+    """The target's side of R rows in one forward: taps [R, T, K*H] and next tokens
+    [R, A, B-1], the labels from the target's own predictions or, with `loss.labels =
+    "data"`, from the rows' tokens; with `loss.labels = "soft"` also the target's top-k soft
+    labels [R, A, B-1, k]. Shared by the colocated trainer and the split placement's target
+    ranks."""
     ids, positions, docs, anchors = on_device
-    label_pos = put(row.label_positions) if loss.labels != "data" else None
+    label_pos = None
+    if loss.labels != "data":
+        label_pos = stack_put([r.label_positions for r in rows], put)
     top_k = soft_label_width(loss, target.head.vocab_size)
     out = target.packed_outputs(ids, positions, docs, label_pos, loss.chunk_rows, top_k)
     if out.next_tokens is None:
@@ -112,20 +145,22 @@ def target_outputs(
     return out
 
 
-def draft_batch(source: FeatureSource, row: Row, put: Callable[[Tensor], Tensor]) -> DraftBatch:
-    """The drafter's micro-batch of one row: the row on the device (`put`) with the target's
-    taps and labels, soft ones included, from `source`."""
-    on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
-    out = source.row_outputs(row, on_device)
+def draft_batch(
+    source: FeatureSource, rows: list[Row], put: Callable[[Tensor], Tensor]
+) -> DraftBatch:
+    """The drafter's micro-batch of R rows: the rows on the device (`put`), stacked, with the
+    target's taps and labels, soft ones included, from `source`."""
+    on_device = rows_on_device(rows, put)
+    out = source.row_outputs(rows, on_device)
     assert out.next_tokens is not None, "a feature source always fills the labels"
     ids, positions, docs, anchors = on_device
     return DraftBatch(
         input_ids=ids,
         position_ids=positions,
         doc_ids=docs,
-        loss_mask=put(row.loss_mask),
+        loss_mask=stack_put([r.loss_mask for r in rows], put),
         anchors=anchors,
-        anchor_valid=put(row.anchor_valid),
+        anchor_valid=stack_put([r.anchor_valid for r in rows], put),
         target_hidden=out.features,
         next_tokens=out.next_tokens,
         soft_ids=out.soft_ids,
@@ -154,22 +189,23 @@ def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -
     if config.target.compile and device.type == "cuda":
         refusal = target_compile_refusal(target)
         if refusal is None:
-            compile_target(target)
+            compile_target(target, scope=config.target.compile_scope)
         else:
             log.info(f"flashdraft train: the target's forward runs eagerly: {refusal}")
     return target
 
 
 class LocalTarget:
-    """Colocated placement: the target runs on this rank, row by row."""
+    """Colocated placement: the target runs on this rank, `optim.rows_per_forward` rows at a
+    time."""
 
     def __init__(self, target: Target, loss: LossSection, block: int, device: torch.device) -> None:
         self.target, self.head = target, target.head
         self.loss, self.block = loss, block
         self.put = device_put(device)
 
-    def row_outputs(self, row: Row, on_device: RowOnDevice) -> TargetOutputs:
-        return target_outputs(self.target, row, on_device, self.put, self.loss, self.block)
+    def row_outputs(self, rows: list[Row], on_device: RowOnDevice) -> TargetOutputs:
+        return target_outputs(self.target, rows, on_device, self.put, self.loss, self.block)
 
 
 class RemoteTarget:
@@ -181,8 +217,8 @@ class RemoteTarget:
     def __init__(self, receiver: FeatureReceiver, head: TargetHead) -> None:
         self.receiver, self.head = receiver, head
 
-    def row_outputs(self, row: Row, on_device: RowOnDevice) -> TargetOutputs:
-        return self.receiver.receive()
+    def row_outputs(self, rows: list[Row], on_device: RowOnDevice) -> TargetOutputs:
+        return concat_outputs([self.receiver.receive() for _ in rows])
 
 
 # ---- the target's head, sent once from a target rank to the drafter ranks it feeds ----

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flashdraft.log import trace
 from flashdraft.model.drafter import DFlashDrafter
-from flashdraft.model.target import Target, TargetOutputs
+from flashdraft.model.target import Target, TargetOutputs, decoder_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +98,32 @@ def target_compile_refusal(target: Target) -> str | None:
     return None
 
 
-def compile_target(target: Target, backend: str = "inductor") -> Target:
+def compile_target(target: Target, backend: str = "inductor", scope: str = "stack") -> Target:
     """Compile the target's decoder stack for the packed training forward, in place.
 
     A small target's eager forward is bound by Python and kernel launches (SmolLM2-135M: ~46
-    ms per 8192-token row eager, a few ms of compute). Only `target.base`, what
-    `packed_outputs` calls, is replaced by its compiled wrapper (parameters shared); the HF
-    model itself stays eager for the start-up check and the HF eval loop, whose shapes vary.
-    One graph per row shape (`dynamic=False`): rows are padded to the token budget, and every
-    BlockMask comes from the one `document_causal_mask_mod` factory, which dynamo guards by
-    its code object, so a new row's mask does not recompile. The taps' forward hooks are traced
-    into the graph; dynamo guards on their capture dict being empty at each call, which
-    `LayerTaps.features()` ensures after every row (tests/train/test_parallel.py counts graphs).
+    ms per 8192-token row eager, a few ms of compute). Only what `packed_outputs` calls is
+    compiled (parameters shared); the HF model itself stays eager for the start-up check and
+    the HF eval loop, whose shapes vary. One graph per row shape (`dynamic=False`): rows are
+    padded to the token budget, and every BlockMask comes from the one
+    `document_causal_mask_mod` factory, which dynamo guards by its code object, so a new
+    row's mask does not recompile.
+
+    scope "stack": `target.base` as one graph, the taps' forward hooks traced into it (dynamo
+    guards on their capture dict being empty at each call, which `LayerTaps.features()`
+    ensures after every row; tests/train/test_parallel.py counts graphs). Cold, its compile
+    time grows with the depth (30 layers of SmolLM2: ~70 s on an H200).
+    scope "layers": each decoder layer's `forward` compiled, the hooks left outside it: one
+    graph serves every layer (the layers' modules are graph inputs), so the cold compile is
+    one layer's, whatever the depth; the embedding, RoPE tables and final norm stay eager.
     """
+    if scope == "layers":
+        for layer in decoder_layers(target.model):
+            # An instance attribute: `Module.__call__` runs its hooks around it, eagerly.
+            layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
+        return target
+    if scope != "stack":
+        raise ValueError(f"compile scope {scope!r}: layers or stack")
     compiled = torch.compile(target.base, backend=backend, dynamic=False)
     assert isinstance(compiled, nn.Module)  # an OptimizedModule wrapping the base
     target.base = compiled

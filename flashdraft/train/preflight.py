@@ -76,9 +76,11 @@ def estimate(
 ) -> MemoryEstimate:
     text = target_config.get_text_config()
     dtype_bytes = 4 if config.target.dtype == "float32" else 2
-    t, h = config.data.row_tokens, text.hidden_size
+    # What one forward holds: `optim.rows_per_forward` rows at once (their tokens, anchors).
+    rows = config.optim.rows_per_forward
+    t, h = config.data.row_tokens * rows, text.hidden_size
     inter = text.intermediate_size
-    q = config.loss.anchors * drafter.block_size
+    q = config.loss.anchors * drafter.block_size * rows
     kv_dim = drafter.num_key_value_heads * drafter.head_dim
     # One layer's transient at row length: MLP gate/up/act and attention q/k/v/out; on a
     # hybrid target the largest of that and a linear-attention layer's.
@@ -88,7 +90,7 @@ def estimate(
     # Soft labels: k int64 ids + k fp32 probabilities per trained slot of a row (the target's
     # top-k runs inside its label chunk, on logits the LM-head term already bounds).
     soft = config.loss.soft_top_k if config.loss.labels == "soft" else 0
-    slots = config.loss.anchors * (drafter.block_size - 1)
+    slots = config.loss.anchors * (drafter.block_size - 1) * rows
     soft_labels = {"soft labels (top-k ids + fp32 probs)": float(slots * soft * (8 + 4))}
     # Targets whose attention is not flex (hybrids: transformers has none; or a configured
     # implementation) take the packed row's document mask dense: [T, T] booleans, and SDPA's
@@ -97,7 +99,8 @@ def estimate(
         None,
         "flex_attention",
     )
-    mask = {"dense document mask [T, T] (sdpa)": float(t * t * (1 + dtype_bytes))}
+    row = config.data.row_tokens
+    mask = {"dense document mask [T, T] (sdpa)": float(rows * row * row * (1 + dtype_bytes))}
     return MemoryEstimate(
         {
             "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
@@ -136,7 +139,8 @@ def check(
         raise ValueError(
             f"this run needs about {result.total / GB:.1f} GB per GPU but {free / GB:.1f} GB of "
             f"{total / GB:.1f} GB are free:\n{result.table()}\n"
-            "to fit: lower loss.anchors (drafter activations), data.row_tokens (target "
+            "to fit: lower optim.rows_per_forward, loss.anchors (drafter activations), "
+            "data.row_tokens (target "
             "activations, context), loss.chunk_rows (LM head), drafter.num_layers; or shard the "
             "target (parallel.shard_target) / use parallel.placement = 'split'. "
             "Set preflight = false to try anyway."

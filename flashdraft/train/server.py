@@ -13,7 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from flashdraft.model.attention import default_backend
-from flashdraft.train.features import device_put, head_payload, load_run_target, target_outputs
+from flashdraft.train.features import (
+    device_put,
+    head_payload,
+    load_run_target,
+    rows_on_device,
+    target_outputs,
+)
 from flashdraft.train.parallel import FeatureSender, send_head
 from flashdraft.train.plan import RunPlan
 
@@ -37,13 +43,8 @@ def serve_target(plan: RunPlan, target_model: Any = None) -> None:
     for _ in range(plan.start_step, plan.total_steps):
         for peer in consumers:
             for _ in range(config.optim.grad_accum):
-                row = next(streams[peer])
-                on_device = (
-                    put(row.input_ids),
-                    put(row.position_ids),
-                    put(row.doc_ids),
-                    put(row.anchors),
-                )
-                senders[peer].send(target_outputs(target, row, on_device, put, config.loss, block))
+                rows = [next(streams[peer])]  # row by row: the drafter rank stacks them
+                on_device = rows_on_device(rows, put)
+                senders[peer].send(target_outputs(target, rows, on_device, put, config.loss, block))
     for sender in senders.values():
         sender.flush()

@@ -240,9 +240,9 @@ class Trainer:
 
     # ---- the step ----
 
-    def make_batch(self, row: Row) -> DraftBatch:
-        """One row on the device, with the target's features and labels from the source."""
-        return draft_batch(self.source, row, device_put(self.device))
+    def make_batch(self, rows: list[Row]) -> DraftBatch:
+        """Rows on the device, stacked, with the target's features and labels from the source."""
+        return draft_batch(self.source, rows, device_put(self.device))
 
     def _normaliser(self, rows: list[Row]) -> Tensor:
         """The global loss normaliser of a step: known from the CPU rows, one all-reduce per
@@ -258,11 +258,13 @@ class Trainer:
         normaliser = self._normaliser(rows)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         step_loss = torch.zeros((), device=self.device)
-        for m, row in enumerate(rows):
+        per = self.config.optim.rows_per_forward
+        forwards = [rows[i : i + per] for i in range(0, len(rows), per)]
+        for m, stacked in enumerate(forwards):
             t0 = self.stopwatch.mark()
-            batch = self.make_batch(row)
+            batch = self.make_batch(stacked)
             t1 = self.stopwatch.mark()
-            last = m == len(rows) - 1
+            last = m == len(forwards) - 1
             with gradient_sync(self.model, enabled=last):  # reduce on the last row only
                 with autocast:
                     loss, stats = draft_loss(
@@ -284,8 +286,8 @@ class Trainer:
             self.stopwatch.add(PHASES[0], t0, t1)
             self.stopwatch.add(PHASES[1], t1, t2)
             interval.stats = stats if interval.stats is None else interval.stats.add(stats)
-            interval.tokens += row.tokens
-            interval.rows += 1
+            interval.tokens += sum(row.tokens for row in stacked)
+            interval.rows += len(stacked)
         grad_norm = nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
         self.guard.observe(step_loss, grad_norm)
         lr = lr_at(self.step, self.total_steps, self.config.optim)

@@ -151,6 +151,32 @@ def test_flex_decoding_steps_equal_the_sdpa_ones(target) -> None:
         torch.testing.assert_close(tb, ta, rtol=1e-4, atol=1e-4)
 
 
+@torch.no_grad()
+def test_compiled_layer_parts_give_the_eager_steps_with_one_graph_for_every_layer(
+    target,
+) -> None:
+    """`compile_layers`: decode steps through the compiled dense parts give the eager steps'
+    logits, and each part is one graph for all layers and attention lengths (the layers'
+    modules are graph inputs; a graph per layer would multiply the cold compile)."""
+    from torch._dynamo.testing import CompileCounter
+
+    prompt = torch.tensor([PROMPT, PROMPT[::-1]])
+    eager, compiled = StaticLM(target, 2, 128, [1]), StaticLM(target, 2, 128, [1])
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled.compile_layers(counter)
+    for lm in (eager, compiled):
+        n = prompt.shape[1]
+        lm(prompt, torch.arange(n)[None].expand(2, -1), rows=torch.tensor([0, 1]), kv_len=n)
+    tokens, positions = prompt[:, -1:], torch.full((2, 1), prompt.shape[1] - 1)
+    for step, kv_len in enumerate((16, 16, 32, 128)):
+        (a, ta), (b, tb) = (lm(tokens, positions + step, kv_len=kv_len) for lm in (eager, compiled))
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tb, ta, rtol=1e-5, atol=1e-5)
+        tokens = a.argmax(-1)
+    assert counter.frame_count == 2  # project and finish, once each
+
+
 def test_flex_block_masks_list_every_block_a_row_can_see() -> None:
     """The CPU's eager flex applies mask_mod densely and ignores which blocks are listed, so
     the test above cannot see a missing block: the listing is checked here (on CUDA the

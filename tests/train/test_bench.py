@@ -16,3 +16,24 @@ def test_bench_times_a_run_config_on_this_device(
     assert names == ["target forward", "drafter step", "full online step"]
     assert result["overhead_ratio"] > 0 and result["tokens_per_s"] > 0
     assert all(r["median_ms"] > 0 for r in result["results"])
+
+
+def test_bench_with_stacked_rows_counts_every_row(
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys
+) -> None:
+    """optim.rows_per_forward = 2: the parts time one forward of two rows, the full step takes
+    grad_accum rows, and tokens/s counts all of them."""
+    settings = train_settings(
+        tmp_path / "unused",
+        tiny_qwen3_dir,
+        qwen_data,
+        **{"optim.grad_accum": 4, "optim.rows_per_forward": 2},
+    )
+    assert cli.main(["bench", *settings, "--warmup", "0", "--iters", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["what"]: r["rows"] for r in result["results"]}
+    assert rows == {"target forward": 2, "drafter step": 2, "full online step": 4}
+    full = result["results"][-1]
+    # tokens/s x seconds / rows = the mean real tokens of a packed row: up to a full row.
+    per_row = full["tokens_per_s"] * full["median_ms"] / 1000 / 4
+    assert 0.5 * full["row"] < per_row <= 1.01 * full["row"]

@@ -3,6 +3,8 @@ it receives, and the target's head surviving its trip over the wire."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import train_settings
@@ -19,6 +21,7 @@ from flashdraft.train.features import (
     head_from_payload,
     head_payload,
     load_run_target,
+    rows_on_device,
     soft_label_width,
     target_outputs,
 )
@@ -76,18 +79,19 @@ def test_the_local_source_is_the_target_forward_of_the_row(
     assert source.head is target.head and source.target is target
     row = next(plan.stream.iterate(iter([0]), prefetch=0))
     put = device_put(ONE.device)
-    on_device = (put(row.input_ids), put(row.position_ids), put(row.doc_ids), put(row.anchors))
-    out = source.row_outputs(row, on_device)
+    on_device = rows_on_device([row], put)
+    assert on_device[0].shape == (1, config.data.row_tokens)
+    out = source.row_outputs([row], on_device)
     taps = len(plan.drafter_config.target_layer_ids) * plan.drafter_config.hidden_size
     labels_shape = (1, config.loss.anchors, plan.drafter_config.block_size - 1)
     assert out.features.shape == (1, config.data.row_tokens, taps)
     assert out.next_tokens is not None and out.next_tokens.shape == labels_shape
-    again = target_outputs(target, row, on_device, put, config.loss, 8)
+    again = target_outputs(target, [row], on_device, put, config.loss, 8)
     assert torch.equal(out.features, again.features)
     assert torch.equal(out.next_tokens, again.next_tokens)
     if labels != "soft":
         assert out.soft_ids is None and out.soft_probs is None
-        assert draft_batch(source, row, put).soft is None
+        assert draft_batch(source, [row], put).soft is None
         return
     # Soft labels: the target's top 5 at the same label positions, beside the same hard labels.
     assert out.soft_ids is not None and out.soft_probs is not None
@@ -96,9 +100,37 @@ def test_the_local_source_is_the_target_forward_of_the_row(
     assert torch.equal(out.next_tokens, hard)
     torch.testing.assert_close(out.soft_probs.sum(-1), torch.ones(labels_shape))
     # The drafter's batch carries them.
-    batch = draft_batch(source, row, put)
+    batch = draft_batch(source, [row], put)
     assert batch.soft is not None and torch.equal(batch.soft[0], out.soft_ids)
     assert torch.equal(batch.next_tokens, out.next_tokens)
+
+
+@pytest.mark.parametrize("labels", ["target", "soft"])
+def test_rows_stacked_in_one_forward_equal_each_row_alone(
+    tmp_path, tiny_qwen3_dir, qwen_data, labels
+) -> None:
+    """`optim.rows_per_forward`: two rows through the target at once give each row's own
+    taps and labels, and the drafter's batch stacks every per-row field."""
+    extra = {"loss.labels": f'"{labels}"', "loss.soft_top_k": 4, "data.row_tokens": 96}
+    args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
+    config = load_run_config(None, args[1::2])
+    plan = plan_run(config, ONE, resume=False)
+    source = LocalTarget(
+        load_run_target(plan, "sdpa"), config.loss, plan.drafter_config.block_size, ONE.device
+    )
+    rows = list(itertools.islice(plan.stream.iterate(iter([0, 1]), prefetch=0), 2))
+    assert not torch.equal(rows[0].input_ids, rows[1].input_ids)  # two different rows
+    put = device_put(ONE.device)
+    both = draft_batch(source, rows, put)
+    for r, row in enumerate(rows):
+        alone = draft_batch(source, [row], put)
+        for name in ("input_ids", "doc_ids", "loss_mask", "anchors", "anchor_valid"):
+            assert torch.equal(getattr(both, name)[r], getattr(alone, name)[0]), name
+        torch.testing.assert_close(both.target_hidden[r], alone.target_hidden[0])
+        assert torch.equal(both.next_tokens[r], alone.next_tokens[0])
+        if labels == "soft":
+            assert both.soft is not None and alone.soft is not None
+            assert torch.equal(both.soft[0][r], alone.soft[0][0])
 
 
 def test_soft_labels_wider_than_the_vocabulary_are_refused() -> None:
@@ -119,7 +151,11 @@ def test_the_remote_source_hands_over_what_it_receives() -> None:
     head = TargetHead(embedding=nn.Embedding(5, 2), weight=torch.zeros(5, 2))
     source = RemoteTarget(Receiver(), head)  # type: ignore[arg-type]
     assert source.target is None and source.head is head
-    assert source.row_outputs(None, None) is sent  # type: ignore[arg-type]
+    assert source.row_outputs([None], None) is sent  # type: ignore[list-item, arg-type]
+    # A split placement's target rank sends row by row; stacked rows are concatenated.
+    two = source.row_outputs([None, None], None)  # type: ignore[list-item, arg-type]
+    assert two.features.shape == (2, 4, 6) and two.next_tokens is not None
+    assert two.next_tokens.shape == (2, 2, 3) and two.soft_ids is None
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -10,11 +10,11 @@ and say why in the commit.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import read_metrics, train_settings
 
 from flashdraft import cli
@@ -44,8 +44,27 @@ GOLDEN: list[tuple[float, float, float]] = [
     (11.68959, 1.0625, 0.5734),
     (11.60831, 1.0833, 0.7163),
 ]
-# sha256 over the fp32 drafter weights of the last checkpoint, names sorted.
-GOLDEN_WEIGHTS = "b2da2dd23f402c314c1ae6e27573f0ccb83ee2da520b8ca4bd6151a9472eb557"
+# (sum, L2 norm) of each fp32 drafter weight of the last checkpoint, 6 significant digits.
+# Not a bit-exact hash: the same code on another CPU (another matmul kernel's summation
+# order) leaves last-bit differences in the weights while the logged losses above stay the
+# same (a sha256 pinned on one machine failed on the next, 2026-12-01); the losses carry the
+# bit-for-bit check, these the weights' end point to ~1e-5.
+GOLDEN_WEIGHTS: dict[str, tuple[float, float]] = {
+    "fc.weight": (3.57332, 2.87862),
+    "hidden_norm.weight": (65.3571, 8.175),
+    "layers.0.input_layernorm.weight": (64.0137, 8.00728),
+    "layers.0.mlp.down_proj.weight": (-1.97866, 4.01574),
+    "layers.0.mlp.gate_proj.weight": (-4.69304, 4.61521),
+    "layers.0.mlp.up_proj.weight": (1.21651, 4.55206),
+    "layers.0.post_attention_layernorm.weight": (66.8577, 8.36077),
+    "layers.0.self_attn.k_norm.weight": (16.3399, 4.08877),
+    "layers.0.self_attn.k_proj.weight": (-0.459344, 1.85347),
+    "layers.0.self_attn.o_proj.weight": (-1.00304, 2.63594),
+    "layers.0.self_attn.q_norm.weight": (16.3584, 4.09202),
+    "layers.0.self_attn.q_proj.weight": (2.67137, 2.62663),
+    "layers.0.self_attn.v_proj.weight": (-2.18283, 2.17554),
+    "norm.weight": (59.1815, 7.39872),
+}
 
 
 def _settings(run: Path, target: Path, data: Path) -> list[str]:
@@ -67,21 +86,21 @@ def _settings(run: Path, target: Path, data: Path) -> list[str]:
     )
 
 
-def weights_digest(run: Path) -> str:
+def weights_fingerprint(run: Path) -> dict[str, tuple[float, float]]:
     from safetensors.torch import load_file
 
     (checkpoint,) = sorted((run / "checkpoints").iterdir())[-1:]
     weights = load_file(checkpoint / "drafter.safetensors")
-    digest = hashlib.sha256()
+    out = {}
     for name in sorted(weights):
-        digest.update(name.encode())
-        digest.update(weights[name].float().numpy().tobytes())
-    return digest.hexdigest()
+        w = weights[name].double()
+        out[name] = (float(f"{float(w.sum()):.6g}"), float(f"{float(w.norm()):.6g}"))
+    return out
 
 
-def observed(run: Path) -> tuple[list[tuple[float, float, float]], str]:
+def observed(run: Path) -> tuple[list[tuple[float, float, float]], dict[str, tuple[float, float]]]:
     records = read_metrics(run)
-    return [(r["loss"], r["tau_hat"], r["grad_norm"]) for r in records], weights_digest(run)
+    return [(r["loss"], r["tau_hat"], r["grad_norm"]) for r in records], weights_fingerprint(run)
 
 
 def test_a_fixed_seed_run_reproduces_the_pinned_losses_bit_for_bit(
@@ -89,13 +108,29 @@ def test_a_fixed_seed_run_reproduces_the_pinned_losses_bit_for_bit(
 ) -> None:
     run = tmp_path / "run"
     assert cli.main(["train", *_settings(run, tiny_qwen3_dir, qwen_data)]) == 0
-    values, digest = observed(run)
+    values, weights = observed(run)
     assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
     assert values == GOLDEN
-    assert digest == GOLDEN_WEIGHTS
+    assert weights.keys() == GOLDEN_WEIGHTS.keys()
+    for name, (total, norm) in GOLDEN_WEIGHTS.items():
+        assert weights[name][0] == pytest.approx(total, rel=1e-4, abs=1e-4), name
+        assert weights[name][1] == pytest.approx(norm, rel=1e-5), name
+
+
+def test_two_rows_in_one_forward_follow_the_same_curve(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
+    """`optim.rows_per_forward = 2`: the step's two rows go through the target and the drafter
+    stacked, one forward each instead of two; the loss is the same sum, so the run follows
+    the pinned curve (to float rounding: the stacked kernels add in another order)."""
+    run = tmp_path / "run"
+    settings = [*_settings(run, tiny_qwen3_dir, qwen_data), "--set", "optim.rows_per_forward=2"]
+    assert cli.main(["train", *settings]) == 0
+    values, _ = observed(run)
+    assert [r["rows"] for r in read_metrics(run)] == [2] * STEPS
+    for got, want in zip(values, GOLDEN, strict=True):
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-4)
 
 
 if __name__ == "__main__":  # print the values of a finished run, to paste above
-    values, digest = observed(Path(sys.argv[1]))
+    values, weights = observed(Path(sys.argv[1]))
     print(json.dumps(values))
-    print(digest)
+    print(json.dumps(weights, indent=1))

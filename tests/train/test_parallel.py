@@ -71,6 +71,16 @@ def _same_curve(got: list[dict], want: list[dict]) -> None:
             "split",
             {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
         ),
+        # the target rank sends row by row; the drafter rank stacks the step's two rows
+        (
+            "split-stacked",
+            {
+                "optim.grad_accum": 2,
+                "optim.rows_per_forward": 2,
+                "parallel.placement": '"split"',
+                "parallel.target_ranks": 1,
+            },
+        ),
         # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
         # for one GPU); the drafter replicas still see the whole target's features
         ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
@@ -165,6 +175,16 @@ def test_split_placement_needs_a_drafter_rank() -> None:
         (
             "split",
             {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
+        ),
+        # the target rank sends row by row; the drafter rank stacks the step's two rows
+        (
+            "split-stacked",
+            {
+                "optim.grad_accum": 2,
+                "optim.rows_per_forward": 2,
+                "parallel.placement": '"split"',
+                "parallel.target_ranks": 1,
+            },
         ),
         # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
         # for one GPU); the drafter replicas still see the whole target's features
@@ -287,6 +307,34 @@ def test_the_compiled_target_is_one_graph_with_its_hooks_for_every_row() -> None
     target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails, recompiles
     target.packed_outputs(*_packed_row(3), labels_at)
     assert len(graphs) == 2
+
+
+def test_the_layer_scope_compiles_one_graph_for_every_decoder_layer() -> None:
+    """compile_target(scope="layers"): each decoder layer's forward compiled, the taps' hooks
+    outside it: one graph serves all layers and all rows (a graph per layer would make the
+    cold compile grow with depth), and the taps and labels are the eager ones."""
+    from helpers import tiny_llama
+
+    from flashdraft.model.target import Target
+    from flashdraft.train.parallel import compile_target
+
+    target = Target(tiny_llama(), [1, 2], "sdpa")
+    labels_at = torch.arange(40)[None]
+    eager = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
+    graphs: list[object] = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compile_target(target, backend=counting_backend, scope="layers")
+    compiled = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
+    assert len(graphs) == 1
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
+    with pytest.raises(ValueError, match="layers or stack"):
+        compile_target(target, scope="model")
 
 
 def test_hybrid_targets_are_not_compiled() -> None:

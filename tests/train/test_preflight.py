@@ -30,7 +30,7 @@ def test_preflight_refuses_a_run_that_cannot_fit(monkeypatch, setup) -> None:
     monkeypatch.setattr(
         torch.cuda, "mem_get_info", lambda device=None: (small.total / 2, 80 * 2**30)
     )
-    with pytest.raises(ValueError, match=r"lower loss\.anchors"):
+    with pytest.raises(ValueError, match=r"loss\.anchors \(drafter activations\)"):
         preflight.check(config, drafter, target, 10**6, torch.device("cuda"))
 
 
@@ -46,6 +46,14 @@ def test_each_term_follows_its_setting(setup) -> None:
     bigger = preflight.estimate(config, drafter, target, 2 * 10**6).terms
     assert bigger["drafter weights+grads+AdamW (fp32)"] == 2 * 16.0 * 10**6
     assert "total" in preflight.estimate(config, drafter, target, 10**6).table()
+    # Rows stacked in one forward: every per-forward term doubles, the weights do not.
+    config.data.row_tokens //= 2
+    config.optim.grad_accum = config.optim.rows_per_forward = 2
+    stacked = preflight.estimate(config, drafter, target, 10**6).terms
+    for term in ("target activations", "drafter activations (A*B queries)"):
+        assert stacked[term] == pytest.approx(2 * base[term]), term
+    assert stacked["target weights"] == base["target weights"]
+    assert stacked["LM head chunk (fp32 logits x3)"] == base["LM head chunk (fp32 logits x3)"]
 
 
 def test_on_the_cpu_nothing_is_refused(setup) -> None:

@@ -24,6 +24,11 @@ def test_config_errors_are_clear(capsys) -> None:
         load_run_config(None, [*REQUIRED, "optim.lr=-1"])
     with pytest.raises(ValueError, match="missing config key"):
         load_run_config(None, ["output=x"])
+    with pytest.raises(
+        ValueError, match=r"optim\.rows_per_forward = 2 .* divide optim\.grad_accum"
+    ):
+        load_run_config(None, [*REQUIRED, "optim.grad_accum=3", "optim.rows_per_forward=2"])
+    assert load_run_config(None, [*REQUIRED, "optim.grad_accum=4", "optim.rows_per_forward=2"])
 
 
 def test_defaults_and_the_settings_a_resume_may_change() -> None:

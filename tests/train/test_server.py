@@ -18,6 +18,7 @@ from flashdraft.train.features import (
     device_put,
     load_run_target,
     open_feature_source,
+    rows_on_device,
 )
 from flashdraft.train.parallel import init_distributed, shutdown
 from flashdraft.train.plan import plan_run
@@ -59,13 +60,8 @@ def _job(rank: int, port: int, settings: list[str], soft: int) -> None:
         rows = plan.stream.iterate(plan.positions(plan.placement.dp_rank), prefetch=0)
         for _ in range(plan.rows_left):
             row = next(rows)
-            on_device = (
-                put(row.input_ids),
-                put(row.position_ids),
-                put(row.doc_ids),
-                put(row.anchors),
-            )
-            got, want = source.row_outputs(row, on_device), local.row_outputs(row, on_device)
+            on_device = rows_on_device([row], put)
+            got, want = source.row_outputs([row], on_device), local.row_outputs([row], on_device)
             for name in ("features", "next_tokens", "soft_ids", "soft_probs"):
                 a, b = getattr(got, name), getattr(want, name)
                 absent = soft == 0 and name.startswith("soft")
@@ -74,7 +70,7 @@ def _job(rank: int, port: int, settings: list[str], soft: int) -> None:
             if soft:
                 assert got.soft_ids is not None and got.soft_ids.shape[-1] == soft
         try:
-            source.row_outputs(row, on_device)
+            source.row_outputs([row], on_device)
         except RuntimeError as err:
             assert "every transfer" in str(err)
         else:
