@@ -60,9 +60,10 @@ for stage in "$@"; do
   hybrid)
     $PIP --target /tmp/site .whl/fla/*.whl || exit 1
     step gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_hybrid.py \
-      tests/data/test_fast_inference.py tests/eval/test_fast.py
+      tests/data/test_fast_inference.py tests/eval/test_fast.py tests/train/test_loss.py \
+      tests/model/test_static.py
     TAIL=40 step trainer_27b_hybrid "${BENCH_S:-200}" python3 bench/trainer.py \
-      --geometry 27b-hybrid --compare-paths --rows 8192 --warmup 2 --iters 6
+      --geometry 27b-hybrid --compare-paths --rows 8192 --warmup 2 --iters 6 --skip-overlap-off
     ;;
   cold)
     smol=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
@@ -96,6 +97,31 @@ for stage in "$@"; do
       TAIL=12 step "stacked_r$r" "${STACKED_S:-200}" python3 bench/trainer.py "${shape[@]}" \
         --rows-per-forward "$r"
     done
+    ;;
+  train2)
+    # R = 4 rows per forward (default inductor config) and R = 1 with inductor's prologue
+    # fusion off (does RoPE fused into the flex kernel's loads slow the target's attention?):
+    # both cold first steps side by side (8 cores each), then each timed alone, warm.
+    shape=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --rows 8192 --set target.compile_scope=layers)
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ic_r4 timeout 280 taskset -c 0-7 python3 bench/trainer.py \
+      "${shape[@]}" --rows-per-forward 4 --first-step > "$OUT/cold_r4.txt" 2>&1 &
+    TORCHINDUCTOR_PROLOGUE_FUSION=0 TORCHINDUCTOR_CACHE_DIR=/tmp/ic_np timeout 280 \
+      taskset -c 8-15 python3 bench/trainer.py "${shape[@]}" --first-step \
+      > "$OUT/cold_r1_noprologue.txt" 2>&1 &
+    wait
+    grep -h "first step" "$OUT/cold_r4.txt" "$OUT/cold_r1_noprologue.txt"
+    timed=(--skip-overlap-off --warmup 3 --iters 10 --profile)
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ic_r4 TAIL=14 step train_r4 150 python3 bench/trainer.py \
+      "${shape[@]}" "${timed[@]}" --rows-per-forward 4
+    TORCHINDUCTOR_PROLOGUE_FUSION=0 TORCHINDUCTOR_CACHE_DIR=/tmp/ic_np TAIL=14 \
+      step train_r1_noprologue 150 python3 bench/trainer.py "${shape[@]}" "${timed[@]}"
+    ;;
+  gen2)  # the fresh-prompt prefill (flash causal) with the compiled decode parts, 512 / 1024
+    common=(--synthetic --backends static --prompts 2048 --prompt-lengths 200,1200
+      --max-new-tokens 192 --compile)
+    TAIL=6 step gen2_512 90 python3 bench/generate.py "${common[@]}" --batch-size 512
+    TAIL=6 step gen2_1024 90 python3 bench/generate.py "${common[@]}" --batch-size 1024
     ;;
   gen)
     common=(--synthetic --backends static --prompts 2048 --prompt-lengths 200,1200

@@ -142,6 +142,14 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
 
 def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[dict]:
     trainer = make_trainer(args, device, model, row_tokens, overlap=True)
+    # The first step compiles (cold, when the inductor cache is empty): its wall time.
+    rows = trainer.stream.iterate(iter(range(10**9)), 0)
+    start = time.perf_counter()
+    trainer.train_step([next(rows) for _ in range(trainer.config.optim.grad_accum)], Interval())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    log.info(f"bench: first step at {row_tokens}-token rows {compile_s:.1f} s (compilation)")
     results = time_trainer(
         trainer,
         parts=first,
@@ -151,6 +159,7 @@ def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[
     )
     if first and args.profile and device.type == "cuda":
         profile_steps(trainer)
+    results[-1]["first_step_s"] = round(compile_s, 1)
     target = trainer.target
     if first and args.compare_paths and target is not None and target.linear is not None:
         # Packed (the path chosen at start-up) vs one document at a time through the linear

@@ -196,7 +196,7 @@ class SlotDecoder:
         rows = torch.tensor(slots, device=self.device)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         request_seeds = torch.tensor(seeds, device=self.device)
-        logits, _ = self.lm(ids, positions, rows=rows, kv_len=width, logits_at=last)
+        logits, _ = self.lm(ids, positions, rows=rows, kv_len=width, logits_at=last, fresh=True)
         first = self._sample(logits[:, 0], request_seeds, last + 1)
         self.tok[rows] = first
         self.pos[rows] = last + 1

@@ -251,15 +251,28 @@ class StaticLM:
         k: Tensor,
         v: Tensor,
         positions: Tensor,
-        mask: Tensor | BlockMask,
+        mask: Tensor | BlockMask | None,
         rows: Tensor | None,
         kv_len: int,
     ) -> Tensor:
         """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D];
-        writes this call's K/V into layer i's cache first."""
+        writes this call's K/V into layer i's cache first. mask None: the call's own tokens
+        from position 0, causal (`fresh`)."""
         r, _, n, d = q.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         keys, values = self.keys[i], self.values[i]
+        if mask is None:
+            if rows is None:
+                index = positions[:, None, :, None].expand(r, hkv, n, d)
+                keys.scatter_(2, index, k.to(keys.dtype))
+                values.scatter_(2, index, v.to(values.dtype))
+            else:
+                keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
+                values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
+            g = hq // hkv
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.transpose(1, 2).reshape(r, n, hq * d)
         if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
             index = positions[:, None, :, None].expand(r, hkv, n, d)
             keys.scatter_(2, index, k.to(keys.dtype))
@@ -300,18 +313,30 @@ class StaticLM:
         rows: Tensor | None = None,
         kv_len: int | None = None,
         logits_at: Tensor | None = None,
+        fresh: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """ids, positions [R, n] (R = rows of the cache, or len(rows) when given).
 
         rows: write into these cache rows only (eager prefill); kv_len: attend over the
         first kv_len slots only (every query's position must be below it); logits_at [R]:
-        logits only at that index of each row, -> [R, 1, V].
+        logits only at that index of each row, -> [R, 1, V]; fresh: every row's positions
+        are 0 .. n-1 (prompts from their start, right-padded): the K/V are still written, but
+        attention runs within the call, causal, on SDPA's flash kernels instead of reading
+        the cache through a dense mask (sliding layers whose window is shorter than n keep
+        the mask). What a padding position computes is never read (the cache invariant).
         """
         kv_len = kv_len or self.max_len
         x = self.embed(ids)
         rope = self.rotary(x, positions)  # cos, sin [R, n, D] in x's dtype
         masks: dict[int | None, Any]
-        if self.attention == "flex" and rows is None and ids.shape[1] == 1:
+        n = ids.shape[1]
+        if fresh:
+            masked = {w for w in self.windows if w is not None and w < n}
+            masks = dict.fromkeys(set(self.windows) - masked)  # None: causal within the call
+            if masked:
+                windowed = self._masks(positions, kv_len)
+                masks |= {w: windowed[w] for w in masked}
+        elif self.attention == "flex" and rows is None and n == 1:
             masks = self._block_masks(positions, kv_len)
         else:
             masks = self._masks(positions, kv_len)

@@ -177,6 +177,38 @@ def test_compiled_layer_parts_give_the_eager_steps_with_one_graph_for_every_laye
     assert counter.frame_count == 2  # project and finish, once each
 
 
+@torch.no_grad()
+def test_a_fresh_prefill_attends_within_the_call_and_fills_the_same_cache(target) -> None:
+    """`fresh=True` (prompts from position 0, right-padded: the slot decoder's prefill) runs
+    causal attention on the call's own K/V (flash kernels on CUDA) instead of a dense mask
+    over the cache: same logits and taps at every real position, the same cache, so the
+    decode steps after it are the same too; sliding layers with a window shorter than the
+    prompt keep their mask (the sliding kinds' windows of 5 and 6)."""
+    rng = random.Random(3)
+    lengths = [9, 14, 4]
+    width = max(lengths)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = torch.tensor([rng.randrange(60) for _ in range(n)])
+    positions = torch.arange(width)[None].expand(3, -1)
+    rows = torch.tensor([2, 0, 1])
+    lms = [StaticLM(target, 3, 64, [0, 2]) for _ in range(2)]
+    outs = [
+        lm(ids, positions, rows=rows, kv_len=width, fresh=fresh)
+        for lm, fresh in zip(lms, (False, True), strict=True)
+    ]
+    for r, n in enumerate(lengths):
+        torch.testing.assert_close(outs[1][0][r, :n], outs[0][0][r, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[1][1][r, :n], outs[0][1][r, :n], rtol=1e-5, atol=1e-5)
+    for a, b in zip(lms[0].keys + lms[0].values, lms[1].keys + lms[1].values, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # The rows continue from their own lengths: the same next logits.
+    last = torch.tensor([lengths[1], lengths[2], lengths[0]])[:, None]  # rows 0, 1, 2
+    tokens = torch.tensor([[7], [8], [9]])
+    steps = [lm(tokens, last, kv_len=32) for lm in lms]
+    torch.testing.assert_close(steps[1][0], steps[0][0], rtol=1e-5, atol=1e-5)
+
+
 def test_flex_block_masks_list_every_block_a_row_can_see() -> None:
     """The CPU's eager flex applies mask_mod densely and ignores which blocks are listed, so
     the test above cannot see a missing block: the listing is checked here (on CUDA the

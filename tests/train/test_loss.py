@@ -9,6 +9,7 @@ from flashdraft.train.loss import (
     BlockStats,
     DPace,
     block_loss,
+    hard_label_chunk,
     head_cross_entropy,
     loss_normaliser,
     loss_slot_weights,
@@ -55,6 +56,28 @@ def _micro_batch(seed: int, config, rows: int = 1, anchors: int = 6):
     mask[..., 0] = 0
     mask[..., 1] = 1
     return hidden, labels, mask
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (1.3, 3.0)])
+def test_the_compiled_hard_label_chunk_is_the_eager_one(device, scale, softcap) -> None:
+    """CUDA runs `hard_label_chunk` compiled (inductor); it traces in one graph (no break)
+    and gives the eager loss, argmax and gradient (the CPU checks the trace with aot_eager,
+    the GPU the real kernels, in bf16 as the trainer calls it)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    z = (4 * torch.randn(37, 500, generator=gen)).to(device, dtype)
+    labels = torch.randint(0, 500, (37,), generator=gen).to(device)
+    coef = torch.rand(37, generator=gen).to(device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(hard_label_chunk, backend=backend, fullgraph=True, dynamic=False)
+    want = hard_label_chunk(z, labels, coef, scale, softcap, True)
+    got = compiled(z, labels, coef, scale, softcap, True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[1], want[1])
+    assert got[2] is not None and want[2] is not None
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=1e-3)
+    assert compiled(z, labels, coef, scale, softcap, False)[2] is None
 
 
 def test_loss_is_independent_of_the_micro_batch_split() -> None:
