@@ -108,6 +108,11 @@ class GenerateConfig:
         help="static backend: the decode steps' attention (flex: each slot reads only its own "
         "K/V blocks, not every slot up to the longest request's position)",
     )
+    static_compile: bool = option(
+        True,
+        help="static backend on CUDA: compile the decode steps' norms, projections, RoPE and "
+        "MLP (one graph for all layers; 10.2 -> 8.4 ms per step at 512 slots on an H200)",
+    )
     sort_window: int = option(4096, ge=1, help="prompts read ahead and sorted by length at once")
     limit: int | None = option(
         None, ge=0, help="only the first N prompts of the input (done ones included)"
@@ -309,6 +314,7 @@ def generate(config: GenerateConfig, summary: Summary | None = None) -> Summary:
         batch_size=config.batch_size,
         max_batch_tokens=config.max_batch_tokens,
         static_attention=config.static_attention,
+        static_compile=config.static_compile,
     )
     return run_generation(config, backend, tokenizer, output=output, summary=summary)
 

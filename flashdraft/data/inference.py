@@ -359,6 +359,7 @@ def load_backend(
     batch_size: int = 32,
     max_batch_tokens: int | None = None,
     static_attention: str = "sdpa",
+    static_compile: bool = False,
 ) -> GenerationBackend:
     """`auto` is vLLM when it is installed and a GPU is there; else, on a GPU, the static
     backend when it supports the target; else HF. `batch_size` is the static backend's
@@ -387,5 +388,6 @@ def load_backend(
             slots=batch_size,
             max_batch_tokens=max_batch_tokens,
             attention=static_attention,
+            compile_backend="inductor" if static_compile and device.startswith("cuda") else None,
         )
     return HFBackend(model, sampling, stop_ids, pad_id)

@@ -98,7 +98,7 @@ def target_compile_refusal(target: Target) -> str | None:
     return None
 
 
-def compile_target(target: Target, backend: str = "inductor", scope: str = "stack") -> Target:
+def compile_target(target: Target, backend: str = "inductor", scope: str = "layers") -> Target:
     """Compile the target's decoder stack for the packed training forward, in place.
 
     A small target's eager forward is bound by Python and kernel launches (SmolLM2-135M: ~46

@@ -280,10 +280,14 @@ def _packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
     return ids, positions, docs
 
 
-def test_the_compiled_target_is_one_graph_with_its_hooks_for_every_row() -> None:
-    """compile_target over the packed forward: the taps' hooks are traced (same taps and
-    labels as eager), no graph break, and rows with new document boundaries reuse the graph
-    (dynamo guards on the hooks' dict being empty, which `features()` ensures)."""
+@pytest.mark.parametrize("scope", ["layers", "stack"])
+def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
+    """compile_target: "stack" traces the taps' hooks into one graph of the whole stack,
+    "layers" compiles each decoder layer's forward with the hooks outside it, one graph for
+    all layers (a graph per layer would make the cold compile grow with depth). Either way:
+    the eager taps and labels, no graph break, and rows with new document boundaries reuse
+    the graph (for "stack", dynamo guards on the hooks' dict being empty, which
+    `features()` ensures: a stale capture recompiles)."""
     from helpers import tiny_llama
 
     from flashdraft.model.target import Target
@@ -299,40 +303,16 @@ def test_the_compiled_target_is_one_graph_with_its_hooks_for_every_row() -> None
         return gm.forward
 
     assert target_compile_refusal(target) is None
-    compile_target(target, backend=counting_backend)
-    compiled = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
-    assert len(graphs) == 1
-    for a, b in zip(eager, compiled, strict=True):
-        assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
-    target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails, recompiles
-    target.packed_outputs(*_packed_row(3), labels_at)
-    assert len(graphs) == 2
-
-
-def test_the_layer_scope_compiles_one_graph_for_every_decoder_layer() -> None:
-    """compile_target(scope="layers"): each decoder layer's forward compiled, the taps' hooks
-    outside it: one graph serves all layers and all rows (a graph per layer would make the
-    cold compile grow with depth), and the taps and labels are the eager ones."""
-    from helpers import tiny_llama
-
-    from flashdraft.model.target import Target
-    from flashdraft.train.parallel import compile_target
-
-    target = Target(tiny_llama(), [1, 2], "sdpa")
-    labels_at = torch.arange(40)[None]
-    eager = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
-    graphs: list[object] = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     torch._dynamo.reset()
-    compile_target(target, backend=counting_backend, scope="layers")
+    compile_target(target, backend=counting_backend, scope=scope)
     compiled = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
     assert len(graphs) == 1
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
+    if scope == "stack":
+        target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails
+        target.packed_outputs(*_packed_row(3), labels_at)
+        assert len(graphs) == 2
     with pytest.raises(ValueError, match="layers or stack"):
         compile_target(target, scope="model")
 
@@ -350,9 +330,11 @@ def test_hybrid_targets_are_not_compiled() -> None:
 
 
 @pytest.mark.gpu
-def test_the_compiled_flex_target_matches_the_eager_one_on_cuda(tiny_qwen3_dir) -> None:
-    """bf16, flex attention with a new BlockMask per row: the compiled forward gives the eager
-    taps (to bf16 rounding) and labels, and compiles once for rows of one length."""
+@pytest.mark.parametrize("scope", ["layers", "stack"])
+def test_the_compiled_flex_target_matches_the_eager_one_on_cuda(tiny_qwen3_dir, scope) -> None:
+    """bf16, flex attention with a new BlockMask per row: the compiled forward (per layer or
+    the whole stack) gives the eager taps (to bf16 rounding) and labels, and compiles once
+    for rows of one length."""
     from torch._dynamo.utils import counters
 
     from flashdraft.model.target import Target, load_target
@@ -363,7 +345,8 @@ def test_the_compiled_flex_target_matches_the_eager_one_on_cuda(tiny_qwen3_dir) 
     labels_at = torch.arange(200, device="cuda")[None]
     rows = [tuple(t.cuda() for t in _packed_row(s, 256)) for s in range(3)]
     eager = [target.packed_outputs(*row, labels_at) for row in rows]
-    compile_target(target)
+    torch._dynamo.reset()
+    compile_target(target, scope=scope)
     before = int(counters["stats"]["unique_graphs"])
     compiled = [target.packed_outputs(*row, labels_at) for row in rows]
     assert int(counters["stats"]["unique_graphs"]) - before == 1
