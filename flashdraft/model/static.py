@@ -263,14 +263,14 @@ class StaticLM:
         r, _, n, d = q.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         keys, values = self.keys[i], self.values[i]
-        if mask is None:
-            if rows is None:
-                index = positions[:, None, :, None].expand(r, hkv, n, d)
-                keys.scatter_(2, index, k.to(keys.dtype))
-                values.scatter_(2, index, v.to(values.dtype))
-            else:
-                keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
-                values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
+        if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
+            index = positions[:, None, :, None].expand(r, hkv, n, d)
+            keys.scatter_(2, index, k.to(keys.dtype))
+            values.scatter_(2, index, v.to(values.dtype))
+        else:  # a subset of rows (prefill of new prompts into their slots)
+            keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
+            values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
+        if mask is None:  # fresh prompts: causal over the call's own K/V
             g = hq // hkv
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             # Not cuDNN: it builds an execution plan per new shape, and every prefill batch
@@ -279,14 +279,9 @@ class StaticLM:
             with sdpa_kernel(_NO_CUDNN):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.transpose(1, 2).reshape(r, n, hq * d)
-        if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
-            index = positions[:, None, :, None].expand(r, hkv, n, d)
-            keys.scatter_(2, index, k.to(keys.dtype))
-            values.scatter_(2, index, v.to(values.dtype))
+        if rows is None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        else:  # a subset of rows (prefill of new prompts into their slots)
-            keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
-            values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
+        else:
             keys, values = keys[rows, :, :kv_len], values[rows, :, :kv_len]
         if isinstance(mask, BlockMask):
             flex = self._flex(

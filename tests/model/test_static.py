@@ -209,6 +209,22 @@ def test_a_fresh_prefill_attends_within_the_call_and_fills_the_same_cache(target
     torch.testing.assert_close(steps[1][0], steps[0][0], rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_the_whole_step_traces_in_one_graph_as_the_eval_loop_compiles_it() -> None:
+    """`flashdraft eval`'s static loop compiles `StaticLM.__call__` with fullgraph=True (on
+    CUDA, inductor): a graph break anywhere in a decode step (a context manager, a host read)
+    would fail it there; aot_eager checks the trace on the CPU."""
+    lm = StaticLM(tiny_target("qwen3-sliding"), 1, 64, [1])
+    ids = torch.tensor([PROMPT])
+    n = len(PROMPT)
+    lm(ids, torch.arange(n)[None], rows=torch.tensor([0]), kv_len=n, fresh=True)
+    step = torch.compile(lm.__call__, backend="aot_eager", fullgraph=True, dynamic=False)
+    tokens, positions = torch.tensor([[7, 3]]), torch.tensor([[n, n + 1]])
+    compiled = step(tokens, positions, kv_len=32)
+    eager = lm(tokens, positions, kv_len=32)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+
+
 def test_flex_block_masks_list_every_block_a_row_can_see() -> None:
     """The CPU's eager flex applies mask_mod densely and ignores which blocks are listed, so
     the test above cannot see a missing block: the listing is checked here (on CUDA the
