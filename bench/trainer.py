@@ -143,12 +143,7 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
 def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[dict]:
     trainer = make_trainer(args, device, model, row_tokens, overlap=True)
     # The first step compiles (cold, when the inductor cache is empty): its wall time.
-    rows = trainer.stream.iterate(iter(range(10**9)), 0)
-    start = time.perf_counter()
-    trainer.train_step([next(rows) for _ in range(trainer.config.optim.grad_accum)], Interval())
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    compile_s = time.perf_counter() - start
+    (compile_s,) = timed_steps(trainer, 1)
     log.info(f"bench: first step at {row_tokens}-token rows {compile_s:.1f} s (compilation)")
     results = time_trainer(
         trainer,
@@ -265,6 +260,20 @@ def parse() -> argparse.Namespace:
     return args
 
 
+def timed_steps(trainer: Trainer, count: int) -> list[float]:
+    """Wall seconds of each of `count` full steps (`optim.grad_accum` rows each), the device
+    synchronised after each: the first of a trainer includes its compilation."""
+    rows = trainer.stream.iterate(iter(range(10**9)), 0)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        trainer.train_step([next(rows) for _ in range(trainer.config.optim.grad_accum)], Interval())
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def first_step(args: argparse.Namespace, device: torch.device) -> int:
     """The cold start of a run: trainer built, then its first two steps timed apart, and
     dynamo's own account of the compilation (issue 17: cold <= 60 s)."""
@@ -276,15 +285,8 @@ def first_step(args: argparse.Namespace, device: torch.device) -> int:
     model = target_model(args, device)
     row = int(args.rows.split(",")[0])
     trainer = make_trainer(args, device, model, row, overlap=True)
-    rows = trainer.stream.iterate(iter(range(10**9)), 2)
     built = time.perf_counter() - start
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        trainer.train_step([next(rows) for _ in range(args.rows_per_forward)], Interval())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = timed_steps(trainer, 2)
     target, drafter = (trainer.stopwatch.seconds(k, keep=True) for k in PHASES)
     log.info(compile_times(repr="str", aggregate=True))
     result = {

@@ -64,15 +64,18 @@ class PhaseTimes:
     slot_steps: int = 0  # of those x slots, the ones that held a request
 
     def as_dict(self) -> dict[str, float]:
+        """The decode time without the captures, per step too, and the mean busy slots."""
+        decode = self.decode_s - self.capture_s
+        steps = max(1, self.steps)
         return {
             "prefill_s": round(self.prefill_s, 3),
-            "decode_s": round(self.decode_s - self.capture_s, 3),
+            "decode_s": round(decode, 3),
             "capture_s": round(self.capture_s, 3),
             "prefill_tokens": self.prefill_tokens,
             "prefill_batches": self.prefill_batches,
             "steps": self.steps,
-            "ms_per_step": round(1e3 * (self.decode_s - self.capture_s) / max(1, self.steps), 3),
-            "slot_use": round(self.slot_steps / max(1, self.steps), 1),
+            "ms_per_step": round(1e3 * decode / steps, 3),
+            "slot_use": round(self.slot_steps / steps, 1),
         }
 
 

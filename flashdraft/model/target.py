@@ -263,7 +263,7 @@ class Target:
                 raise ValueError(
                     f"target returned {len(hidden)} hidden states for {self.num_layers} layers"
                 )
-            norm = getattr(self.base, "norm", None)
+            norm = getattr(base_model(self.model), "norm", None)  # self.base may be compiled
             for i in self.taps.layer_ids:
                 tap = taps.get(i)
                 reference = hidden[i + 1]

@@ -98,6 +98,35 @@ def target_compile_refusal(target: Target) -> str | None:
     return None
 
 
+class _CompiledLayers(nn.Module):
+    """`base` whose decoder layers run compiled forwards while (and only while) it is called:
+    `Module.__call__` looks `forward` up on the instance first, and runs the layer's hooks
+    (the taps) around it, eagerly. Outside the call the layers are as they were (the HF
+    eval loop's shapes vary every step: compiled, they would recompile until dynamo gives up).
+    """
+
+    def __init__(self, base: nn.Module, layers: nn.ModuleList, backend: str) -> None:
+        super().__init__()
+        self.inner = base
+        self._layers = list(layers)  # a plain list: already registered under `inner`
+        self._compiled = [
+            torch.compile(layer.forward, backend=backend, dynamic=False) for layer in layers
+        ]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        saved = [layer.__dict__.get("forward") for layer in self._layers]
+        for layer, compiled in zip(self._layers, self._compiled, strict=True):
+            layer.forward = compiled
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            for layer, previous in zip(self._layers, saved, strict=True):
+                if previous is None:
+                    del layer.forward
+                else:
+                    layer.forward = previous
+
+
 def compile_target(target: Target, backend: str = "inductor", scope: str = "layers") -> Target:
     """Compile the target's decoder stack for the packed training forward, in place.
 
@@ -116,11 +145,11 @@ def compile_target(target: Target, backend: str = "inductor", scope: str = "laye
     scope "layers": each decoder layer's `forward` compiled, the hooks left outside it: one
     graph serves every layer (the layers' modules are graph inputs), so the cold compile is
     one layer's, whatever the depth; the embedding, RoPE tables and final norm stay eager.
+    The compiled forwards are installed only for the duration of `target.base`'s call
+    (`_CompiledLayers`), so the HF model stays eager for everyone else.
     """
     if scope == "layers":
-        for layer in decoder_layers(target.model):
-            # An instance attribute: `Module.__call__` runs its hooks around it, eagerly.
-            layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
+        target.base = _CompiledLayers(target.base, decoder_layers(target.model), backend)
         return target
     if scope != "stack":
         raise ValueError(f"compile scope {scope!r}: layers or stack")

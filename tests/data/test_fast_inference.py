@@ -66,6 +66,12 @@ def test_greedy_equals_each_prompt_alone(model, prompts, sync_every) -> None:
     out = decoder.generate(prompts, list(range(len(prompts))), counted.append)
     assert out == reference
     assert sum(counted) >= sum(len(r) for r in reference)  # window overshoot included
+    # The phase account: every prompt prefilled (padding included), every window counted.
+    times = decoder.times
+    assert times.prefill_batches >= 2 and times.prefill_tokens >= sum(len(p) for p in prompts)
+    assert times.steps % sync_every == 0 and times.steps >= NEW
+    assert 0 < times.slot_steps <= times.steps * 5
+    assert times.prefill_s > 0 and times.decode_s > 0 and times.capture_s == 0  # CPU: no graphs
 
 
 def test_sampling_is_seeded_per_request_whatever_shares_its_steps(model, prompts) -> None:

@@ -287,7 +287,8 @@ def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
     all layers (a graph per layer would make the cold compile grow with depth). Either way:
     the eager taps and labels, no graph break, and rows with new document boundaries reuse
     the graph (for "stack", dynamo guards on the hooks' dict being empty, which
-    `features()` ensures: a stale capture recompiles)."""
+    `features()` ensures: a stale capture recompiles), and the HF model outside the packed
+    forward stays eager."""
     from helpers import tiny_llama
 
     from flashdraft.model.target import Target
@@ -309,6 +310,11 @@ def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
     assert len(graphs) == 1
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
+    # The HF model itself stays eager (the HF eval loop's shapes change every step).
+    with torch.no_grad():
+        target.model(input_ids=torch.arange(7)[None], use_cache=False)
+    target.taps.features()
+    assert len(graphs) == 1
     if scope == "stack":
         target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails
         target.packed_outputs(*_packed_row(3), labels_at)

@@ -1,0 +1,43 @@
+"""The training benchmark scripts' CPU smoke modes: the README shows `bench/trainer.py` with
+`--rows-per-forward`, and the GPU sessions (bench/checks_session.sh) run its `--first-step`,
+`--set` and `--profile` options and `bench/prefill_profile.py`; a broken option should fail
+here, not on the device machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
+    return out.stdout
+
+
+def test_the_trainer_bench_stacks_rows_and_takes_run_config_overrides() -> None:
+    stdout = run(
+        "bench/trainer.py", "--smoke", "--rows-per-forward", "2", "--skip-overlap-off",
+        "--set", "target.compile_scope=stack",
+    )  # fmt: skip
+    result = json.loads(stdout.strip().splitlines()[-1])
+    full = [r for r in result["results"] if r["what"] == "full online step"]
+    assert [r["rows"] for r in full] == [2, 2]  # both row lengths, two rows per step
+    assert all(r["first_step_s"] > 0 for r in full)
+    assert {r["rows"] for r in result["results"] if r["what"] != "full online step"} == {2}
+
+
+def test_the_trainer_bench_times_the_first_steps() -> None:
+    result = json.loads(run("bench/trainer.py", "--smoke", "--first-step").strip().splitlines()[-1])
+    assert result["bench"] == "trainer-first-step"
+    assert result["first_step_s"] >= 0 and result["second_step_s"] > 0
+
+
+def test_the_prefill_profile_runs_on_cpu() -> None:
+    stdout = run("bench/prefill_profile.py", "--smoke")
+    assert "prefill of 3 x 20 tokens" in stdout and "aten::" in stdout
