@@ -59,11 +59,14 @@ for stage in "$@"; do
     ;;
   hybrid)
     $PIP --target /tmp/site .whl/fla/*.whl || exit 1
-    step gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_hybrid.py \
-      tests/data/test_fast_inference.py tests/eval/test_fast.py tests/train/test_loss.py \
-      tests/model/test_static.py
-    TAIL=40 step trainer_27b_hybrid "${BENCH_S:-200}" python3 bench/trainer.py \
-      --geometry 27b-hybrid --compare-paths --rows 8192 --warmup 2 --iters 6 --skip-overlap-off
+    if [ "${HYBRID_TESTS:-1}" = 1 ]; then  # 12 passed on 2026-12-01 (~160 s): HYBRID_TESTS=0 skips
+      step gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_hybrid.py \
+        tests/data/test_fast_inference.py tests/eval/test_fast.py tests/train/test_loss.py \
+        tests/model/test_static.py
+    fi
+    TAIL=40 step trainer_27b_hybrid "${BENCH_S:-300}" python3 bench/trainer.py \
+      --geometry 27b-hybrid --compare-paths --rows "${ROWS:-8192,16384}" --warmup 2 --iters 6 \
+      --skip-overlap-off
     ;;
   cold)
     smol=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
@@ -133,8 +136,8 @@ for stage in "$@"; do
       --compile
     ;;
   dense)  # the hybrid's dense stand-in (64 x 5120, full attention everywhere), same rows
-    TAIL=40 step trainer_27b_dense "${BENCH_S:-200}" python3 bench/trainer.py \
-      --geometry 27b-dense --rows 8192 --warmup 2 --iters 6
+    TAIL=40 step trainer_27b_dense "${BENCH_S:-300}" python3 bench/trainer.py \
+      --geometry 27b-dense --rows "${ROWS:-8192,16384}" --warmup 2 --iters 6 --skip-overlap-off
     ;;
   *)
     echo "unknown stage $stage (generate, smol, hybrid, dense, cold, warm, stacked, gen)"

@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -111,6 +113,14 @@ class PeerRecipeConfig:
         "2.11 (benchmarks/peers_h200_202611.md); 'eager' computes the same values (CPU: eager)",
     )
     log_every: int = option(20, ge=1, help="steps per metrics.jsonl record")
+    deadline: float | None = option(
+        None,
+        gt=0,
+        metavar="SECONDS",
+        help="stop this call after SECONDS (counted from start-up): the training at its next "
+        "log record, with its state saved in OUTPUT/resume, or before an eval file; the same "
+        "command again goes on where it stopped",
+    )
     smoke: bool = option(False, help="tiny random target and data on the CPU, a few steps")
 
     def __post_init__(self) -> None:
@@ -227,14 +237,21 @@ def run_config(config: PeerRecipeConfig, data: str, target: str, device: str) ->
 
 
 def train_peer(
-    plan: RunPlan, model: Any, flat: dict[str, Any], config: PeerRecipeConfig
-) -> dict[str, Any]:
+    plan: RunPlan,
+    model: Any,
+    flat: dict[str, Any],
+    config: PeerRecipeConfig,
+    settings: dict[str, Any],
+) -> dict[str, Any] | None:
     """`plan.total_steps` steps of speculators' DFlash on flashdraft's packed rows: the target
     runs each row through flashdraft's `Target` (its K taps, as the trainer feeds them), plus
     one hook on the last decoder layer for speculators' label source."""
     from speculators.models.dflash import DFlashDraftModel
 
     run, device = plan.config, plan.info.device
+    optimizers, schedulers = build_optimizers(model, flat, plan.total_steps)
+    resume = Path(config.output) / "resume"
+    done = load_progress(resume, settings, model, optimizers, schedulers)
     target = load_run_target(plan, default_backend(device))  # taps verified, compiled on CUDA
     # speculators' `verifier_last_hidden_states`: the last decoder layer's output before the
     # final norm (vLLM's captured last layer; the model applies the verifier's norm itself).
@@ -242,15 +259,19 @@ def train_peer(
     _, autocast = compute_setup(device)
     # cli.py l. 740: the model's call kwargs (loss, weighting, anchors) from the flat settings.
     train_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(**flat)
-    optimizers, schedulers = build_optimizers(model, flat, plan.total_steps)
     put = device_put(device)
-    rows = plan.stream.iterate(plan.positions(0), run.data.prefetch)
+    # The rows after the ones trained in earlier calls (grad_accum rows per step).
+    start = done["step"] if done else 0
+    after = itertools.islice(plan.positions(0), start * run.optim.grad_accum, None)
+    rows = plan.stream.iterate(after, run.data.prefetch)
     model.train()
-    history: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = list(done["history"]) if done else []
     interval: dict[str, Any] = {}
-    tokens, started = 0, time.perf_counter()
-    agreement = None
-    for step in range(1, plan.total_steps + 1):
+    tokens = done["tokens"] if done else 0
+    earlier_s = done["train_s"] if done else 0.0
+    started = time.perf_counter()
+    agreement = done["label_agreement"] if done else None
+    for step in range(start + 1, plan.total_steps + 1):
         row = next(rows)
         ids, positions, docs = put(row.input_ids), put(row.position_ids), put(row.doc_ids)
         # flashdraft's labels only for the first row: the check of speculators' label source.
@@ -292,7 +313,7 @@ def train_peer(
                 "eal": sums["eal"][0] / max(sums["eal"][1], 1.0),
                 "lr": lr,
                 "tokens": tokens,
-                "elapsed_s": round(time.perf_counter() - started, 2),
+                "elapsed_s": round(earlier_s + time.perf_counter() - started, 2),
             }
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"speculators' loss is {record['loss']} at step {step}")
@@ -302,6 +323,27 @@ def train_peer(
                 f"step {step}/{plan.total_steps}: loss {record['loss']:.4f} "
                 f"acc {record['acc']:.3f} eal {record['eal']:.3f} lr {lr:.2e}"
             )
+            if step < plan.total_steps and out_of_time(config, SAVE_S):
+                progress = {
+                    "settings": settings,
+                    "step": step,
+                    "resumed_after": [
+                        *(done or {}).get("resumed_after", []),
+                        *([start] if start else []),
+                    ],
+                    "tokens": tokens,
+                    "train_s": round(earlier_s + time.perf_counter() - started, 1),
+                    "label_agreement": agreement,
+                    "history": history,
+                }
+                save_progress(resume, progress, model, optimizers, schedulers)
+                log.info(
+                    f"step {step}/{plan.total_steps}: stopped for --deadline, state in {resume};"
+                    " run the same command again to go on"
+                )
+                rows.close()
+                last_layer.remove()
+                return None
     rows.close()  # stops the row builder thread
     last_layer.remove()
     del target
@@ -309,9 +351,91 @@ def train_peer(
         "steps": plan.total_steps,
         "label_agreement": agreement,
         "tokens": tokens,
-        "train_s": round(time.perf_counter() - started, 1),
+        "train_s": round(earlier_s + time.perf_counter() - started, 1),
+        "resumed_after": [*(done or {}).get("resumed_after", []), *([start] if start else [])],
         "history": history,
     }
+
+
+# ---- stopping and resuming (--deadline) ------------------------------------------------------
+
+# Seconds kept back at a deadline for saving the training state / for one eval file.
+SAVE_S, EVAL_S = 20.0, 75.0
+STARTED = time.monotonic()  # --deadline counts from here (import time: start-up included)
+
+
+def out_of_time(config: PeerRecipeConfig, keep: float) -> bool:
+    """Whether --deadline leaves less than `keep` seconds."""
+    return config.deadline is not None and time.monotonic() - STARTED > config.deadline - keep
+
+
+def save_progress(
+    folder: Path, progress: dict[str, Any], model: Any, optimizers: list[Any], schedulers: list[Any]
+) -> None:
+    """The training state after `progress["step"]` steps: the trainable weights, every
+    optimizer's tensors and every generator's state in safetensors, the rest in JSON
+    (nothing pickled). progress.json is written last: a call killed while saving leaves the
+    earlier state, or none."""
+    tensors = {f"model.{k}": p.detach() for k, p in model.named_parameters() if p.requires_grad}
+    meta: dict[str, Any] = {"optimizers": [], "schedulers": [s.state_dict() for s in schedulers]}
+    for i, optimizer in enumerate(optimizers):
+        state = optimizer.state_dict()
+        plain: dict[str, dict[str, Any]] = {}
+        for pid, values in state["state"].items():
+            for key, value in values.items():
+                if torch.is_tensor(value):
+                    tensors[f"opt{i}.{pid}.{key}"] = value
+                else:
+                    plain.setdefault(str(pid), {})[key] = value
+        meta["optimizers"].append({"param_groups": state["param_groups"], "plain": plain})
+    tensors["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    storage.write_tensors(str(folder / "state.safetensors"), tensors)
+    storage.write_json_atomic(str(folder / "optim.json"), meta)
+    storage.write_json_atomic(str(folder / "progress.json"), progress)
+
+
+def load_progress(
+    folder: Path,
+    settings: dict[str, Any],
+    model: Any,
+    optimizers: list[Any],
+    schedulers: list[Any],
+) -> dict[str, Any] | None:
+    """Put back what `save_progress` left in `folder` (None when nothing is there); refuses a
+    state saved with other settings."""
+    marker = folder / "progress.json"
+    if not marker.exists():
+        return None
+    progress: dict[str, Any] = json.loads(marker.read_text())
+    if json.dumps(progress["settings"], sort_keys=True) != json.dumps(settings, sort_keys=True):
+        raise ValueError(
+            f"{folder} holds a run with other settings or data: delete it or "
+            "choose another --output"
+        )
+    tensors = storage.read_tensors(str(folder / "state.safetensors"))
+    meta = json.loads((folder / "optim.json").read_text())
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[f"model.{name}"])
+    for i, (optimizer, saved) in enumerate(zip(optimizers, meta["optimizers"], strict=True)):
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith(f"opt{i}."):
+                pid, name = key[len(f"opt{i}.") :].split(".", 1)
+                state.setdefault(int(pid), {})[name] = value
+        for pid, values in saved["plain"].items():
+            state.setdefault(int(pid), {}).update(values)
+        optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    for scheduler, saved in zip(schedulers, meta["schedulers"], strict=True):
+        scheduler.load_state_dict(saved)
+    torch.set_rng_state(tensors["rng.cpu"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    log.info(f"{folder}: resuming after step {progress['step']} ({progress['train_s']} s so far)")
+    return progress
 
 
 def label_agreement(
@@ -354,11 +478,19 @@ def export(model: Any, out: Path, drafter: DrafterConfig) -> dict[str, Any]:
 def evaluate(
     config: PeerRecipeConfig, target: str, drafter_dir: Path, device: str
 ) -> dict[str, dict[str, Any]]:
-    """Each prompt file through the held-out eval of bench/quality.py's eval stage."""
+    """Each prompt file through the held-out eval of bench/quality.py's eval stage (a file an
+    earlier call evaluated is read back; None when --deadline stopped it before the last)."""
     out: dict[str, dict[str, Any]] = {}
     loaded: tuple[Any, Any] | None = None
     for prompts in config.eval_prompts:
         name = Path(prompts).stem
+        done = Path(config.output) / "eval" / f"{name}.json"
+        if done.exists():
+            out[name] = {**summary(json.loads(done.read_text())), "report": str(done)}
+            continue
+        if out_of_time(config, EVAL_S):
+            log.info(f"eval {name}: stopped for --deadline; run the same command again")
+            return None
         eval_config = EvalConfig(
             target=target,
             drafter=str(drafter_dir),
@@ -373,15 +505,14 @@ def evaluate(
         report = run_eval(eval_config, *loaded, load_drafter(str(drafter_dir)))
         write_report(report, eval_config.output)
         log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
-        out[name] = {
-            "tau": report["tau"],
-            "speedup": report.get("speedup"),
-            "per_position_acceptance": report["per_position_acceptance"],
-            "num_prompts": report["num_prompts"],
-            "lossless_prompts": report.get("lossless_prompts"),
-            "report": eval_config.output,
-        }
+        out[name] = {**summary(report), "report": eval_config.output}
     return out
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """What the result keeps of one eval report."""
+    keys = ("tau", "speedup", "per_position_acceptance", "num_prompts", "lossless_prompts")
+    return {k: report.get(k) for k in keys}
 
 
 # ---- smoke inputs ------------------------------------------------------------------------
@@ -489,9 +620,10 @@ def parse(argv: list[str] | None = None) -> PeerRecipeConfig:
 
 def train_stage(
     config: PeerRecipeConfig, run: RunConfig, plan: RunPlan, flat: dict[str, Any]
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Train and export, or read what an earlier call with the same settings did (OUT/train.json:
-    a device call that ran out of time in the eval goes on with the eval)."""
+    a device call that ran out of time in the eval goes on with the eval). None when
+    --deadline stopped the training (OUT/resume holds its state)."""
     out = Path(config.output)
     settings = {"run": run.to_dict(), "speculators": {k: flat.get(k) for k in SETTINGS}}
     marker = out / "train.json"
@@ -510,7 +642,9 @@ def train_stage(
         f" layers, taps {c.target_layer_ids}, {plan.total_steps} steps of one "
         f"{run.data.row_tokens}-token row"
     )
-    trained = train_peer(plan, model, flat, config)
+    trained = train_peer(plan, model, flat, config, settings)
+    if trained is None:  # stopped for --deadline: the state is in OUT/resume
+        return None
     trained["export"] = export(model, out, c)
     del model
     gc.collect()
@@ -520,6 +654,7 @@ def train_stage(
         str(out / "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in trained["history"])
     )
     storage.write_json_atomic(str(marker), {"settings": settings, **trained})
+    shutil.rmtree(out / "resume", ignore_errors=True)  # an earlier call's state: used up
     return trained
 
 
@@ -543,11 +678,17 @@ def main(argv: list[str] | None = None) -> int:
     overrides = peer_overrides(config, run, plan.drafter_config, plan.info.device)
     flat.update(overrides)
     trained = train_stage(config, run, plan, flat)
-    evals = evaluate(config, target, Path(trained["export"]["dflash_dir"]), device)
+    evals = None
+    if trained is not None:
+        evals = evaluate(config, target, Path(trained["export"]["dflash_dir"]), device)
+    if trained is None or evals is None:
+        print_json({"bench": "peer_recipe", "complete": False, "output": config.output})
+        return 0
 
     history = trained["history"]
     result = {
         "bench": "peer_recipe",
+        "complete": True,
         "peer": "speculators",
         "peer_version": framework_version("speculators"),
         "peer_version_expected": SPECULATORS,
@@ -557,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": trained["steps"],
         "tokens": trained["tokens"],
         "train_s": trained["train_s"],
+        "resumed_after": trained.get("resumed_after", []),
         "label_agreement": trained["label_agreement"],
         "loss_first": history[0]["loss"],
         "loss_last": history[-1]["loss"],

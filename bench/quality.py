@@ -384,6 +384,12 @@ class Pipeline:
     def prepare(self) -> None:
         passes = [name for name, _, _ in self.passes()]
         settings: dict[str, Any] = {name: self.marker(f"generate-{name}") for name in passes}
+        unfinished = [n for n, m in settings.items() if m is None or not m.get("complete")]
+        if unfinished:  # half the answers would be prepared and trained on as if they were all
+            raise RuntimeError(
+                f"prepare: the answers of {', '.join(unfinished)} are not all generated "
+                f"({self.out / 'stages'}): run the generate stage (again) first"
+            )
         if self.config.turns != "all":  # recorded only when set: older markers stay valid
             settings["turns"] = self.config.turns
         marker = self.marker("prepare")

@@ -171,7 +171,14 @@ two)
     echo "the GGUF parts in /tmp/gguf/ do not add up (the machine was released between calls?): start again with call one"
     exit 1
   fi
-  quality two all --deadline 520  # counted after imports (~10-20 s)
+  if [ -n "${TWO_STAGES:-}" ]; then  # e.g. "generate prepare": the data only, no training
+    # (the peer recipe's session); generate stops between its calls at the deadline
+    for s in $TWO_STAGES; do
+      quality "two_$s" "$s" --deadline "$([ "$s" = generate ] && echo 400 || echo 150)"
+    done
+  else
+    quality two all --deadline 520  # counted after imports (~10-20 s)
+  fi
   ;;
 more)
   quality more all --deadline 540
@@ -183,10 +190,12 @@ peer)
   # the eval when the training finished.
   $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1 || true
   # PEER_ARGS: e.g. "--steps 4624", the steps of the flashdraft run it is compared with (the
-  # preset's 6 epochs are 13,872 steps: more than one call holds, and the peer run does not
-  # resume mid-training)
+  # preset's 6 epochs are 13,872 steps); under --deadline the training stops at a log record
+  # with its state saved and the same call again goes on (then the evals, one file per call
+  # at most if time is short)
   # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
   PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout 585 python3 bench/peer_recipe.py ${PEER_ARGS:-} \
+    --deadline "${PEER_DEADLINE:-555}" \
     --data "$RUN_DIR/data" --output "$RUN_DIR/runs/peer-speculators" --eval-prompts \
     "$RUN_DIR"/prompts/held_out/chat.jsonl "$RUN_DIR"/prompts/held_out/humaneval.jsonl \
     "$RUN_DIR"/prompts/held_out/code.jsonl > "$OUT/peer.txt" 2>&1

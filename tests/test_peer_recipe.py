@@ -78,3 +78,26 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "trained already" in again.stdout + again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["eval"] == result["eval"]
+
+    # Stopped by --deadline at its first log record (start-up alone outlasts the deadline
+    # less the time kept for saving), then resumed: the same steps, losses and eval as the
+    # run in one go (the rows, weights, optimizer states and generators all put back).
+    split = tmp_path / "q"
+    stopped = [*command[:-1], str(split), "--deadline", "21"]
+    cut = subprocess.run(stopped, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert cut.returncode == 0, cut.stdout[-3000:] + cut.stderr[-3000:]
+    assert json.loads(cut.stdout.strip().splitlines()[-1])["complete"] is False
+    assert (split / "resume" / "progress.json").exists() and not (split / "train.json").exists()
+    rest = subprocess.run([*command[:-1], str(split)], capture_output=True, text=True, cwd=ROOT)
+    assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
+    resumed = json.loads(rest.stdout.strip().splitlines()[-1])
+    assert resumed["resumed_after"] == [1] and not (split / "resume").exists()
+
+    def steps(folder: Path) -> list[dict]:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k != "elapsed_s"} for x in lines]
+
+    assert steps(split) == steps(out)
+    assert [e["tau"] for e in resumed["eval"].values()] == [
+        e["tau"] for e in result["eval"].values()
+    ]

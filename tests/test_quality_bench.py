@@ -249,8 +249,30 @@ def test_prepare_trains_the_turns_asked_for(
     for turns in ("all", "last"):
         argv = ["prepare", "--output", str(tmp_path), "--target", "t", "--turns", turns]
         _, config, overrides = quality.parse(argv)
-        quality.Pipeline(config, overrides, argv).prepare()
+        pipeline = quality.Pipeline(config, overrides, argv)
+        for name, _, _ in pipeline.passes():
+            pipeline.save_marker(f"generate-{name}", {}, complete=True)
+        pipeline.prepare()
         assert seen[-1].template.turns == turns
         settings = json.loads((tmp_path / "stages" / "prepare.json").read_text())["settings"]
         assert settings.get("turns", "all") == turns
     assert len(seen) == 2
+
+
+def test_prepare_refuses_answers_not_all_generated(
+    quality: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generate stage stopped by its deadline leaves part of the answers: `prepare` run on
+    its own then refuses, instead of preparing the part as the whole data."""
+    monkeypatch.setattr(quality, "prepare", lambda config: pytest.fail("prepared"))
+    argv = ["prepare", "--output", str(tmp_path), "--target", "t"]
+    _, config, overrides = quality.parse(argv)
+    pipeline = quality.Pipeline(config, overrides, argv)
+    names = [name for name, _, _ in pipeline.passes()]
+    with pytest.raises(RuntimeError, match="not all generated"):
+        pipeline.prepare()  # nothing generated
+    for name in names:
+        pipeline.save_marker(f"generate-{name}", {}, complete=True)
+    pipeline.save_marker(f"generate-{names[-1]}", {}, complete=False)
+    with pytest.raises(RuntimeError, match=f"answers of {names[-1]} are not all generated"):
+        pipeline.prepare()
