@@ -110,8 +110,15 @@ def target_model(args: argparse.Namespace, device: torch.device):
         config, cls = Qwen3Config(**shape), Qwen3ForCausalLM
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device):
-        model = cls(config).to(dtype)
+    # Built in the target dtype: a 27B model built in fp32 and cast would leave ~100 GB in
+    # the allocator's cache (the first 27B run's preflight saw 36 GB free).
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(before)
     return model.eval().requires_grad_(False)
 
 

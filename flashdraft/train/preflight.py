@@ -126,8 +126,11 @@ def check(
     target_config: Any,
     drafter_params: int,
     device: torch.device,
+    resident: float = 0.0,
 ) -> MemoryEstimate:
-    """Raise ValueError, with the numbers and what to change, if the run cannot fit."""
+    """Raise ValueError, with the numbers and what to change, if the run cannot fit.
+    `resident`: bytes of the estimate already on the GPU (a target model handed in loaded),
+    which the free memory no longer includes."""
     shards = 1
     if config.parallel.shard_target and torch.distributed.is_initialized():
         shards = torch.distributed.get_world_size()
@@ -135,10 +138,11 @@ def check(
     if device.type != "cuda":
         return result
     free, total = torch.cuda.mem_get_info(device)
-    if result.total > free:
+    if result.total - resident > free:
+        loaded = f" ({resident / GB:.1f} GB of it loaded already)" if resident else ""
         raise ValueError(
-            f"this run needs about {result.total / GB:.1f} GB per GPU but {free / GB:.1f} GB of "
-            f"{total / GB:.1f} GB are free:\n{result.table()}\n"
+            f"this run needs about {result.total / GB:.1f} GB per GPU{loaded} but "
+            f"{free / GB:.1f} GB of {total / GB:.1f} GB are free:\n{result.table()}\n"
             "to fit: lower optim.rows_per_forward, loss.anchors (drafter activations), "
             "data.row_tokens (target "
             "activations, context), loss.chunk_rows (LM head), drafter.num_layers; or shard the "

@@ -93,8 +93,19 @@ class Trainer:
         if config.preflight:  # before any weight is loaded
             with torch.device("meta"):
                 drafter_params = param_count(DFlashDrafter(self.drafter_config))
+            # A target model handed in already sits in GPU memory: not free, not to allocate.
+            resident = sum(
+                p.numel() * p.element_size()
+                for p in (target_model.parameters() if target_model is not None else ())
+                if p.device.type == "cuda"
+            )
             estimate = preflight.check(
-                config, self.drafter_config, plan.target_config, drafter_params, self.device
+                config,
+                self.drafter_config,
+                plan.target_config,
+                drafter_params,
+                self.device,
+                resident=float(resident),
             )
             if self.placement.is_logger and self.device.type == "cuda":
                 log.info(f"flashdraft train: memory estimate per GPU\n{estimate.table()}")

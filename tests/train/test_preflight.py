@@ -32,6 +32,15 @@ def test_preflight_refuses_a_run_that_cannot_fit(monkeypatch, setup) -> None:
     )
     with pytest.raises(ValueError, match=r"loss\.anchors \(drafter activations\)"):
         preflight.check(config, drafter, target, 10**6, torch.device("cuda"))
+    # A target already loaded on the GPU is in use, not free: its bytes are not asked twice.
+    big = preflight.estimate(config, drafter, target, 10**6)
+    weights = big.terms["target weights"]
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (big.total - weights / 2, 80 * 2**30)
+    )
+    with pytest.raises(ValueError, match="loaded already"):
+        preflight.check(config, drafter, target, 10**6, torch.device("cuda"), resident=weights / 4)
+    preflight.check(config, drafter, target, 10**6, torch.device("cuda"), resident=weights)
 
 
 def test_each_term_follows_its_setting(setup) -> None:
