@@ -30,6 +30,7 @@ import json
 import random
 import re
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -327,7 +328,7 @@ def save_checkpoint(
     run: str,
     step: int,
     drafter: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     state: dict[str, Any],
     keep: int,
     is_main: bool,
@@ -378,7 +379,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    url: str, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer, *, verify: bool = True
+    url: str,
+    drafter: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Restore drafter, optimizer and RNG from a checkpoint (every rank reads it), after
     checking every file against `COMPLETE` (`verify=False`: the caller just did)."""
@@ -394,15 +399,18 @@ def load_checkpoint(
     for key, value in flat.items():
         name, _, field_name = key.rpartition("/")
         per_param.setdefault(name, {})[field_name] = value
-    groups = [
-        {k: (tuple(v) if k == "betas" else v) for k, v in group.items()}
-        for group in state.pop("optimizer_param_groups")
-    ]
+    groups = list(state.pop("optimizer_param_groups"))
     set_optimizer_state_dict(
         drafter,
         optimizer,
         {"state": per_param, "param_groups": groups},
         options=options,
     )
+    # JSON gave lists where torch's settings are tuples (betas, ns_coefficients): back to tuples.
+    for one in (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else optimizer:
+        for group in one.param_groups:
+            for key, value in group.items():
+                if key != "params" and isinstance(value, list):
+                    group[key] = tuple(value)
     set_rng_state(state.pop("rng"), storage.read_tensors(storage.join(url, "rng.safetensors")))
     return state

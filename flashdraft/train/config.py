@@ -138,14 +138,24 @@ class LossSection:
 
 @dataclass(kw_only=True, slots=True)
 class OptimSection:
+    optimizer: Literal["adamw", "muon"] = option(
+        "adamw",
+        help="adamw | muon: torch's Muon (Newton-Schulz orthogonalised momentum, its update "
+        "scaled to AdamW's RMS so that lr means the same) on the drafter's 2-D weight matrices "
+        "and AdamW on the rest (norms); speculators' DFlash default",
+    )
+    muon_momentum: float = option(0.95, ge=0, lt=1, help="muon: Nesterov momentum")
+    muon_weight_decay: float = option(0.1, ge=0, help="muon: decoupled weight decay")
     lr: float = option(6e-4, gt=0, help="peak learning rate")
     betas: list[float] = option(
         factory=lambda: [0.9, 0.95], ge=0, lt=1, help="AdamW betas, two numbers in [0, 1)"
     )
     eps: float = option(1e-8, gt=0, help="AdamW epsilon")
     weight_decay: float = option(0.0, ge=0, help="AdamW weight decay")
-    schedule: Literal["cosine", "wsd", "constant"] = option(
-        "cosine", help="cosine | wsd (warmup-stable-decay) | constant"
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = option(
+        "cosine",
+        help="cosine | linear (straight down to min_lr_ratio) | wsd (warmup-stable-decay) | "
+        "constant",
     )
     warmup_steps: int = option(100, ge=0, help="linear warmup steps")
     min_lr_ratio: float = option(0.1, ge=0, le=1, help="floor of the decay, as a share of lr")
@@ -261,6 +271,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         cfg.validate(self)
+        if self.optim.optimizer == "muon" and self.parallel.drafter_sharding == "fsdp":
+            # Newton-Schulz needs each whole matrix; on FSDP2's shards it would need
+            # collectives inside torch's Muon that no flashdraft test has run.
+            raise cfg.ConfigError(
+                "optim.optimizer",
+                "muon",
+                "not with parallel.drafter_sharding = 'fsdp' (Muon orthogonalises whole "
+                "weight matrices): use 'ddp' or optim.optimizer = 'adamw'",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return cfg.to_dict(self)

@@ -1,7 +1,10 @@
-"""The optimizer of a run: AdamW from the run config, and the guard around its step that
-keeps a non-finite loss or gradient from ever reaching the weights."""
+"""The optimizer of a run: AdamW, or Muon with AdamW, from the run config, and the guard
+around its step that keeps a non-finite loss or gradient from ever reaching the weights."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -10,18 +13,69 @@ from flashdraft.train.config import OptimSection
 from flashdraft.train.parallel import Placement, dp_all_reduce_min
 
 
+class Optimizers:
+    """Several torch optimizers over disjoint parameters, stepped as one: what the trainer,
+    the guard and the checkpoint see when `optim.optimizer = "muon"`. Iterating gives the
+    optimizers (torch.distributed.checkpoint's state-dict helpers take an iterable of them);
+    `param_groups` are the optimizers' own group dicts, so setting a group's lr sets it."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        self.defaults: dict[str, Any] = {}  # not fused: the guard checks its flag on the host
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def muon_split(drafter: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(2-D weight matrices, the rest) of the drafter's trainable parameters. The token
+    embedding and LM head are the target's, frozen, so every trainable matrix is a projection
+    inside the drafter (the context projection, attention, MLP): Muon's domain. Vectors and
+    degenerate [1, N] matrices go to AdamW."""
+    matrices: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
+    for param in drafter.parameters():
+        if param.requires_grad:
+            (matrices if param.ndim == 2 and min(param.shape) > 1 else rest).append(param)
+    return matrices, rest
+
+
 def build_optimizer(
     drafter: nn.Module, optim: OptimSection, device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW over the drafter's fp32 master weights; the fused kernel on CUDA."""
-    return torch.optim.AdamW(
-        drafter.parameters(),
+) -> torch.optim.Optimizer | Optimizers:
+    """AdamW over the drafter's fp32 master weights (the fused kernel on CUDA); with
+    `optim.optimizer = "muon"`, torch's Muon on the weight matrices (lr scaled to match
+    AdamW's update RMS) and AdamW on the rest, as one `Optimizers`."""
+    adamw = dict(
         lr=optim.lr,
         betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
         weight_decay=optim.weight_decay,
         fused=device.type == "cuda",
     )
+    if optim.optimizer == "adamw":
+        return torch.optim.AdamW(drafter.parameters(), **adamw)  # type: ignore[arg-type]
+    matrices, rest = muon_split(drafter)
+    muon = torch.optim.Muon(
+        matrices,
+        lr=optim.lr,
+        momentum=optim.muon_momentum,
+        weight_decay=optim.muon_weight_decay,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    return Optimizers([muon, *([torch.optim.AdamW(rest, **adamw)] if rest else [])])  # type: ignore[arg-type]
 
 
 class FiniteGuard:
@@ -38,13 +92,15 @@ class FiniteGuard:
 
     NEVER = 2**62
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, start: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer | Optimizers, device: torch.device, start: int
+    ) -> None:
         self.optimizer, self.start = optimizer, start
         self.tripped = torch.zeros((), dtype=torch.float32, device=device)  # 1.0 once bad
         self.clean_steps = torch.zeros((), dtype=torch.int64, device=device)
         self.fused = bool(optimizer.defaults.get("fused"))
         if self.fused:
-            optimizer.found_inf = self.tripped  # type: ignore[attr-defined]
+            optimizer.found_inf = self.tripped  # type: ignore[union-attr]
 
     def observe(self, loss: Tensor, grad_norm: Tensor) -> None:
         bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm))

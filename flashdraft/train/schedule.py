@@ -12,15 +12,18 @@ from flashdraft.train.config import OptimSection
 
 
 def lr_at(step: int, total: int, optim: OptimSection) -> float:
-    """Warmup, then cosine to min_lr_ratio, warmup-stable-decay (linear), or constant."""
+    """Warmup, then cosine or linear to min_lr_ratio, warmup-stable-decay (linear), or
+    constant."""
     if step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
     floor = optim.min_lr_ratio
     if optim.schedule == "constant":
         return optim.lr
-    if optim.schedule == "cosine":
-        progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
-        return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    if optim.schedule in ("cosine", "linear"):
+        progress = min((step - optim.warmup_steps) / max(1, total - optim.warmup_steps), 1.0)
+        if optim.schedule == "linear":
+            return optim.lr * (1 - (1 - floor) * progress)
+        return optim.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
     decay_start = total - int(optim.decay_ratio * total)
     if step < decay_start:
         return optim.lr

@@ -101,6 +101,44 @@ def test_the_startup_check_refuses_a_leaking_packing(model, monkeypatch) -> None
     target.linear.remove()
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "refusal"),
+    [
+        (5e-4, 5e-4, None),  # the kernels' rounding, the same in both documents: passes
+        (5e-4, 5e-3, "leak into each other"),  # more in the second document: a leak
+        (5e-3, 5e-3, "nothing precedes the first document"),  # the path itself is off
+    ],
+)
+def test_the_startup_check_holds_later_documents_to_the_first_ones_rounding(
+    monkeypatch, first, second, refusal
+) -> None:
+    """The first document of the check's row has nothing before it to leak from, so its
+    difference from its run alone is the packed path's own rounding (bounded by
+    PATH_TOLERANCE: a random 27B-shaped target in bf16 shows 0.015-0.093 there); a later
+    document may exceed it by PACKING_TOLERANCE only. Rounding is simulated by scaling the
+    reference taps (relative error = the scale - 1; fp32 tolerances 1e-4 and 1e-3)."""
+    target = Target(tiny_hybrid("qwen3_5"), [0, 2], "sdpa", linear_kernels="per-document")
+    alone = target._document_alone
+    calls = []
+
+    def off_by(doc):
+        taps, labels, logits = alone(doc)
+        calls.append(len(doc))
+        return taps * (1 + (first if len(calls) == 1 else second)), labels, logits
+
+    monkeypatch.setattr(target, "_document_alone", off_by)
+    try:
+        if refusal is None:
+            target.verify_packing()
+        else:
+            with pytest.raises(ValueError, match=refusal):
+                target.verify_packing()
+    finally:
+        target.taps.remove()
+        assert target.linear is not None
+        target.linear.remove()
+
+
 def test_on_the_cpu_the_fallback_is_taken_and_announced(capsys) -> None:
     model = tiny_hybrid("qwen3_5")
     assert hybrid.choose_kernels(torch.device("cpu"))[0] is None

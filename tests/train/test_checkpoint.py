@@ -27,6 +27,8 @@ from flashdraft.train.checkpoint import (
     usable_checkpoint,
     verify_checkpoint,
 )
+from flashdraft.train.config import OptimSection
+from flashdraft.train.optim import build_optimizer
 
 
 def _trained_a_little(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -58,6 +60,33 @@ def test_a_checkpoint_restores_weights_optimizer_state_and_every_rng(tmp_path) -
         for key, value in optimizer.state[p].items():
             assert torch.equal(value, fresh_optimizer.state[q][key]), key
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_muon_and_its_adamw_come_back_from_a_checkpoint(tmp_path) -> None:
+    """optim.optimizer = "muon": two torch optimizers behind one `Optimizers`; both states
+    (Muon's momentum, AdamW's moments) and both param groups' settings come back."""
+    section = OptimSection(optimizer="muon", lr=1e-2, muon_momentum=0.9)
+    drafter = tiny_drafter(seed=0)
+    optimizer = build_optimizer(drafter, section, torch.device("cpu"))
+    for _ in range(2):
+        for p in drafter.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    url = save_checkpoint(str(tmp_path), 3, drafter, optimizer, {}, keep=1, is_main=True)
+    assert url is not None
+    fresh = tiny_drafter(seed=5)
+    fresh_optimizer = build_optimizer(fresh, section, torch.device("cpu"))
+    load_checkpoint(url, fresh, fresh_optimizer)
+    for a, b in zip(optimizer, fresh_optimizer, strict=True):
+        assert type(a) is type(b) and len(a.state) == len(b.state) > 0
+        for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"], strict=True):
+            assert a.state[p].keys() == b.state[q].keys()
+            for key, value in a.state[p].items():
+                assert torch.equal(value, b.state[q][key]), key
+        assert (
+            a.param_groups[0]["momentum" if "momentum" in a.defaults else "betas"]
+            == (b.param_groups[0]["momentum" if "momentum" in b.defaults else "betas"])
+        )
 
 
 def test_only_complete_checkpoints_count_and_old_ones_are_deleted(tmp_path) -> None:

@@ -96,3 +96,44 @@ def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs() -> None:
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert guard.first_bad_step(ALONE) == 2
+
+
+def test_muon_takes_the_weight_matrices_and_adamw_the_rest() -> None:
+    """optim.optimizer = "muon": torch's Muon (its update scaled to AdamW's RMS) on every
+    trainable 2-D matrix with both sides > 1, AdamW on the rest; frozen parameters in
+    neither; one lr setting reaches both."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    model.append(frozen)
+    section = OptimSection(optimizer="muon", lr=2e-3, weight_decay=0.01, muon_weight_decay=0.2)
+    optimizers = build_optimizer(model, section, torch.device("cpu"))
+    muon, adamw = list(optimizers)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert [p.shape for p in muon.param_groups[0]["params"]] == [torch.Size([8, 4])]
+    assert {tuple(p.shape) for p in adamw.param_groups[0]["params"]} == {(8,), (1, 8), (1,)}
+    assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    assert (muon.param_groups[0]["weight_decay"], adamw.param_groups[0]["weight_decay"]) == (
+        0.2,
+        0.01,
+    )
+    for group in optimizers.param_groups:
+        group["lr"] = 5e-4
+    assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == 5e-4
+
+
+def test_the_guard_keeps_a_non_finite_step_from_muon_too() -> None:
+    """Muon has no fused kernel to hand the flag to: the guard skips the step on the host,
+    for both optimizers, and every step after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    optimizers = build_optimizer(model, OptimSection(optimizer="muon"), torch.device("cpu"))
+    guard = FiniteGuard(optimizers, torch.device("cpu"), start=0)
+    assert not guard.fused
+    _step(model, guard, 1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, guard, float("nan"))
+    _step(model, guard, 1.0)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert guard.first_bad_step(ALONE) == 2

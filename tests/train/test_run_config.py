@@ -85,3 +85,12 @@ def test_a_resume_may_change_what_is_safe_and_the_world_size_at_the_same_global_
     assert resume_changes(
         old, load_run_config(None, REQUIRED), rows_per_step=(1, 1), allow=False
     ) == ({}, [])
+
+
+def test_muon_is_refused_on_fsdp_shards_with_the_reason() -> None:
+    base = ["output=x", "target.path=t", 'data.datasets=["d"]', 'optim.optimizer="muon"']
+    assert load_run_config(None, base).optim.optimizer == "muon"  # DDP (the default): fine
+    with pytest.raises(cfg.ConfigError, match="orthogonalises whole weight matrices"):
+        load_run_config(None, [*base, 'parallel.drafter_sharding="fsdp"'])
+    with pytest.raises(cfg.ConfigError, match="optim.optimizer"):
+        load_run_config(None, ['optim.optimizer="sgd"', *base[:3]])

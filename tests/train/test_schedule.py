@@ -21,6 +21,16 @@ def test_lr_schedules() -> None:
     assert lr_at(50, 100, wsd) == 1.0 and lr_at(90, 100, wsd) == pytest.approx(0.5)
 
 
+def test_linear_schedule_goes_straight_down_to_its_floor() -> None:
+    linear = OptimSection(lr=1.0, warmup_steps=10, schedule="linear", min_lr_ratio=0.0)
+    assert lr_at(9, 110, linear) == pytest.approx(1.0)
+    assert lr_at(10, 110, linear) == pytest.approx(1.0)
+    assert lr_at(60, 110, linear) == pytest.approx(0.5)
+    assert lr_at(110, 110, linear) == 0.0 and lr_at(500, 110, linear) == 0.0
+    floored = OptimSection(lr=2.0, warmup_steps=0, schedule="linear", min_lr_ratio=0.25)
+    assert lr_at(50, 100, floored) == pytest.approx(2.0 * (1 - 0.75 * 0.5))
+
+
 def test_constant_schedule_and_the_floor_past_the_end() -> None:
     constant = OptimSection(lr=0.5, warmup_steps=4, schedule="constant")
     assert [lr_at(s, 10, constant) for s in (0, 3, 4, 9, 50)] == [0.125, 0.5, 0.5, 0.5, 0.5]
