@@ -68,6 +68,19 @@
 # tokens/s; HF generate: ~3.2K tok/s, then lower --prompts). Device time, estimated: one
 # ~3 min, generation 2 x 30K answers x ~150 tokens ~5 min at 30K tok/s, training ~2 epochs
 # (~12K steps at ~66 ms, in-training evals included) ~15-20 min, eval ~2-3 min.
+#
+# 2026-12-01, ninth session (the peer run, benchmarks/quality_h200_20261201_peer.md): `one`
+# (carry .whl/smol, .whl/fla, .qcarry with the prompts only, .gguf/partaa of 38 MB), `two` with
+# TWO_STAGES="generate prepare" (carry .gguf/partab: generation 241 s + prepare, no training),
+# `peer` with PEER_ARGS="--steps 4624" (carry .whl/peers: 349 s of training + evals, 555 s).
+# The answers came back (.qcarry/gen.tar.xz.part*, 17.6 MB): with them .qcarry is 25 MB, so
+# the next session splits the GGUF in three (`head -c 20000000` -> partaa; the next 39,000,000
+# bytes -> partab; the rest -> partac) and runs one (partaa), part (partab), two (partac).
+# Ablations on those answers: QUALITY_ARGS as in the ninth session's `two` but without its
+# `--run` (QUALITY_ARGS comes last on the command line, so its --run would win), then e.g.
+#   bash bench/quality_session.sh ablate dpace2 optim.epochs=2 loss.weighting=dpace
+#   bash bench/quality_session.sh ablate muon2 optim.epochs=2 optim.optimizer=muon \
+#     optim.lr=1e-3 optim.schedule=linear optim.min_lr_ratio=0 optim.warmup_steps=46
 set -u
 stage=${1:?one|part|cache|two|more|peer|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
