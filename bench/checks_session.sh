@@ -19,6 +19,8 @@
 #   stacked   the same step with R = 2 and 4 rows per forward (optim.rows_per_forward)
 #   gen       static-slot generation at 512 slots: sdpa / flex decode steps, eager / compiled
 #             dense layer parts, with the phase split (prefill, decode ms per step)
+#   varlen    the same step at R = 4 with the target's attention as varlen flash attention
+#             (target.attn_implementation = "varlen") and as flex (the default), each cold
 # Wheels for `hybrid`: `bash bench/fla_wheels.sh` (fla-core, einops) into .whl/fla.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -135,12 +137,22 @@ for stage in "$@"; do
     TAIL=8 step gen_flex_compiled 150 python3 bench/generate.py "${common[@]}" --attention flex \
       --compile
     ;;
+  varlen)  # issue 17: the SmolLM2-shaped step at R = 4, the target's attention flex vs varlen
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/ic_layers
+    shape=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --rows 8192 --skip-overlap-off --warmup 3
+      --iters 10 --rows-per-forward 4)
+    for attention in ${VARLEN_ORDER:-varlen flex}; do
+      TAIL=14 step "attention_$attention" "${VARLEN_S:-280}" python3 bench/trainer.py \
+        "${shape[@]}" --target-attention "$attention"
+    done
+    ;;
   dense)  # the hybrid's dense stand-in (64 x 5120, full attention everywhere), same rows
     TAIL=40 step trainer_27b_dense "${BENCH_S:-300}" python3 bench/trainer.py \
       --geometry 27b-dense --rows "${ROWS:-8192,16384}" --warmup 2 --iters 6 --skip-overlap-off
     ;;
   *)
-    echo "unknown stage $stage (generate, smol, hybrid, dense, cold, warm, stacked, gen)"
+    echo "unknown stage $stage (generate, smol, hybrid, dense, varlen, cold, warm, stacked, gen)"
     exit 2
     ;;
   esac

@@ -38,6 +38,7 @@ import torch
 
 from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
 from flashdraft.log import get_logger
+from flashdraft.model import varlen
 from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
@@ -80,6 +81,9 @@ def target_model(args: argparse.Namespace, device: torch.device):
         tie_word_embeddings=False,
         attn_implementation="flex_attention" if device.type == "cuda" else "sdpa",
     )
+    if getattr(args, "target_attention", "flex") == "varlen":
+        varlen.register()
+        shape["attn_implementation"] = varlen.NAME
     if getattr(args, "geometry", "8b") == "27b-hybrid":
         # transformers has no flex_attention for the hybrid classes: sdpa with the dense
         # document mask, as `flashdraft train` loads them (target.default_attention).
@@ -222,6 +226,13 @@ def parse() -> argparse.Namespace:
         default=1,
         help="rows stacked in one target + drafter forward (optim.rows_per_forward; a step "
         "takes that many rows)",
+    )
+    p.add_argument(
+        "--target-attention",
+        choices=("flex", "varlen"),
+        default="flex",
+        help="the target's packed attention on CUDA: flex with the document BlockMask, or "
+        "varlen flash attention over the documents' boundaries (target.attn_implementation)",
     )
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
@@ -375,6 +386,7 @@ def main() -> int:
         {
             "bench": "trainer",
             "peak_tflops": round(peak / 1e12, 1),
+            "target_attention": model.config._attn_implementation,
             **summary,
             "results": results,
             **environment(),

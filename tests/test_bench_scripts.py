@@ -23,9 +23,10 @@ def run(*args: str) -> str:
 def test_the_trainer_bench_stacks_rows_and_takes_run_config_overrides() -> None:
     stdout = run(
         "bench/trainer.py", "--smoke", "--rows-per-forward", "2", "--skip-overlap-off",
-        "--set", "target.compile_scope=stack",
+        "--set", "target.compile_scope=stack", "--target-attention", "varlen",
     )  # fmt: skip
     result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["target_attention"] == "varlen_documents"  # the varlen target path
     full = [r for r in result["results"] if r["what"] == "full online step"]
     assert [r["rows"] for r in full] == [2, 2]  # both row lengths, two rows per step
     assert all(r["first_step_s"] > 0 for r in full)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from flashdraft.log import get_logger
+from flashdraft.model import varlen
 from flashdraft.model.attention import Backend, build_document_mask
 from flashdraft.model.head import TargetHead
 from flashdraft.model.hybrid import (
@@ -222,6 +223,15 @@ class Target:
         self.head = TargetHead.from_model(model)
         self.taps = LayerTaps(model, layer_ids)
         self.backend = mask_backend(model, backend)
+        # Loaded with the varlen attention (`target.attn_implementation = "varlen"`): packed
+        # rows go through the flash kernel with their document boundaries, no mask.
+        self.varlen = getattr(model.config, "_attn_implementation", None) == varlen.NAME
+        if self.varlen and (why := varlen.refusal(self.config)) is not None:
+            raise ValueError(
+                f'target.attn_implementation = "varlen": not for this target, {why}; leave it '
+                "unset (flex_attention on CUDA)"
+            )
+        self._no_mask = varlen.NO_MASK.to(self.device) if self.varlen else None
         self.num_layers = len(decoder_layers(model))
         self.linear: PackedLinearAttention | None = None
         if is_hybrid(self.config):
@@ -375,16 +385,24 @@ class Target:
         label_positions: Tensor | None,
         chunk_rows: int = 4096,
         soft_top_k: int = 0,
+        segments: varlen.Segments | None = None,
     ) -> TargetOutputs:
         """One packed forward: the taps, and at label_positions [R, ...] (packed indices) the
         argmax next tokens and, when `soft_top_k` > 0, the top-k soft labels
         (`TargetHead.labels_at`). The labels are computed only there, in chunks, from the
         final-normed last hidden state (never the full [R, T, V] logits).
         Per-document positions and a per-document causal mask make each document's taps
-        identical to running it alone.
+        identical to running it alone. A varlen target takes the documents' boundaries
+        instead of a mask: `segments` (`varlen.document_segments` of the rows' CPU doc ids,
+        so that no host sync waits for the device), else computed here from `doc_ids`.
         """
-        mask: Any = build_document_mask(doc_ids, self.backend)
         packing: AbstractContextManager[None] = nullcontext()
+        if self.varlen:
+            mask: Any = self._no_mask
+            segments = segments or varlen.document_segments(doc_ids)
+            packing = varlen.packed(segments.to(self.device))
+        else:
+            mask = build_document_mask(doc_ids, self.backend)
         if self.linear is not None:  # hybrid: the linear layers restart at document starts
             mask = attention_masks(self.config, mask)
             packing = self.linear.packed(doc_ids)

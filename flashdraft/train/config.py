@@ -36,7 +36,9 @@ class TargetSection:
     )
     attn_implementation: str | None = option(
         None,
-        help="None: flex_attention on CUDA (packed rows at flash speed), sdpa on CPU",
+        help="None: flex_attention on CUDA (the packed row's document mask as a BlockMask), "
+        "sdpa on CPU; 'varlen': flash attention over the documents' boundaries, no mask "
+        "(full-attention targets); or any transformers implementation name",
         tags=SAFE,
     )
     compile: bool = option(

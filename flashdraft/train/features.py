@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from flashdraft.data.inference import resolve_dtype
 from flashdraft.log import get_logger
+from flashdraft.model import varlen
 from flashdraft.model.attention import Backend
 from flashdraft.model.head import TargetHead
 from flashdraft.model.target import (
@@ -139,7 +140,13 @@ def target_outputs(
     if loss.labels != "data":
         label_pos = stack_put([r.label_positions for r in rows], put)
     top_k = soft_label_width(loss, target.head.vocab_size)
-    out = target.packed_outputs(ids, positions, docs, label_pos, loss.chunk_rows, top_k)
+    # A varlen target's document boundaries, from the rows' CPU ids (no host sync).
+    segments = (
+        varlen.document_segments(torch.stack([r.doc_ids for r in rows])) if target.varlen else None
+    )
+    out = target.packed_outputs(
+        ids, positions, docs, label_pos, loss.chunk_rows, top_k, segments=segments
+    )
     if out.next_tokens is None:
         out.next_tokens = data_next_tokens(ids, anchors, block)
     return out
@@ -180,6 +187,9 @@ def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -
         attn = config.target.attn_implementation or default_attention(
             config.target.path, device.type
         )
+        if attn == "varlen":  # flashdraft's own: registered with transformers first
+            varlen.register()
+            attn = varlen.NAME
         target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
         if sharded:
             shard_target(decoder_layers(target_model))

@@ -98,6 +98,7 @@ def estimate(
     dense = linear_layer_ids(target_config) or config.target.attn_implementation not in (
         None,
         "flex_attention",
+        "varlen",
     )
     row = config.data.row_tokens
     mask = {"dense document mask [T, T] (sdpa)": float(rows * row * row * (1 + dtype_bytes))}

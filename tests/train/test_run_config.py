@@ -92,5 +92,5 @@ def test_muon_is_refused_on_fsdp_shards_with_the_reason() -> None:
     assert load_run_config(None, base).optim.optimizer == "muon"  # DDP (the default): fine
     with pytest.raises(cfg.ConfigError, match="orthogonalises whole weight matrices"):
         load_run_config(None, [*base, 'parallel.drafter_sharding="fsdp"'])
-    with pytest.raises(cfg.ConfigError, match="optim.optimizer"):
+    with pytest.raises(cfg.ConfigError, match=r"optim\.optimizer"):
         load_run_config(None, ['optim.optimizer="sgd"', *base[:3]])

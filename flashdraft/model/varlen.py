@@ -1,0 +1,187 @@
+"""The target's packed forward through variable-length flash attention (`target.
+attn_implementation = "varlen"`).
+
+A packed row holds whole documents, each attending causally to itself only. flex_attention
+does that with a document BlockMask; on a small target its forward ran at ~50 TFLOP/s on an
+H200 (300-3,000-token documents, benchmarks/small_targets_h200_20261201.md: 38% of the
+step). The varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`) takes the documents
+as one flat sequence of tokens with their boundaries (`cu_seqlens`) and needs no mask at all.
+
+It runs as a transformers attention implementation registered under `NAME`: the attention
+layers call `varlen_attention` with their projected queries, keys and values. While a packed
+forward runs (`packed(segments)`), it attends within the segments; at any other call (the
+start-up tap check's single document, an HF decode loop) it is transformers' own sdpa
+attention, with the mask transformers builds for sdpa. On the CPU, or in fp32, there is no
+flash kernel: each segment then goes through SDPA on its own (the same result, slowly), so
+the tests check the packing arithmetic on any machine and the kernel on a GPU.
+
+Targets with sliding-window layers, logit soft-capping or attention sinks keep flex
+(`refusal` says why); so do hybrid targets (their full-attention layers are gated and their
+linear ones take the packing elsewhere).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAME = "varlen_documents"  # transformers dispatches on it (a name with "flash" in it would
+# be taken for a flash-attn kernel request)
+
+# A 4-D stand-in for the attention mask of a packed forward: transformers takes a 4-D mask as
+# already built and passes it through, so it builds none (a dense [R, 1, T, T] mask from the
+# packed position ids otherwise); `varlen_attention` ignores it while segments are active.
+NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """The documents of R packed rows as runs of the R*T flattened tokens."""
+
+    cu_seqlens: Tensor  # [N+1] int32: each document's first flat index, then R*T
+    max_len: int  # the longest document (the kernel sizes its grid with it)
+
+    def to(self, device: torch.device) -> Segments:
+        """On `device`; from the CPU to CUDA through pinned memory, asynchronously."""
+        cu = self.cu_seqlens
+        if cu.device != device and device.type == "cuda" and cu.device.type == "cpu":
+            cu = cu.pin_memory()
+        return Segments(cu.to(device, non_blocking=True), self.max_len)
+
+
+def document_segments(doc_ids: Tensor) -> Segments:
+    """[R, T] document ids -> their Segments: a new segment wherever the id changes along a
+    row and at every row start (padding runs are segments of their own, as in the mask).
+    Computed where `doc_ids` lives: give it the rows' CPU tensors to keep the host sync off the
+    device (`Segments.to` then moves the boundaries asynchronously)."""
+    rows, length = doc_ids.shape
+    start = torch.ones(rows, length, dtype=torch.bool, device=doc_ids.device)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    firsts = start.flatten().nonzero().flatten()
+    end = torch.tensor([rows * length], device=doc_ids.device)
+    cu = torch.cat([firsts, end]).to(torch.int32)
+    return Segments(cu, int((cu[1:] - cu[:-1]).max()))
+
+
+_active: Segments | None = None
+
+
+@contextmanager
+def packed(segments: Segments) -> Iterator[None]:
+    """While the block runs, `varlen_attention` attends within `segments`."""
+    global _active
+    before, _active = _active, segments
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def _kernel() -> tuple[Any, dict[str, Any], bool] | None:
+    """(varlen_attn, its causal keyword, whether it takes enable_gqa), or None without it.
+    torch 2.10 spells causality `is_causal=True`, later releases `window_size=(-1, 0)`."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+_KERNEL = _kernel()
+
+
+def uses_kernel(query: Tensor) -> bool:
+    """Whether a packed call on `query` runs the flash kernel (CUDA, half precision)."""
+    return _KERNEL is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+@torch.compiler.disable  # the longest document changes every row: no graph specialises on it
+def varlen_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: query [R, Hq, T, D], key / value
+    [R, Hkv, T, D] -> ([R, T, Hq, D], None)."""
+    segments = _active
+    if segments is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out: tuple[Tensor, None] = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return out
+    rows, heads, length, dim = query.shape
+    groups = heads // key.shape[1]
+    q, k, v = (
+        t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)
+    )
+    if uses_kernel(query):
+        assert _KERNEL is not None
+        varlen_attn, causal, takes_gqa = _KERNEL
+        if groups > 1 and not takes_gqa:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": True} if groups > 1 and takes_gqa else {}
+        cu = segments.cu_seqlens
+        flat = varlen_attn(
+            q, k, v, cu, cu, segments.max_len, segments.max_len, scale=scaling, **causal, **extra
+        )
+    else:
+        flat = _each_segment(q, k, v, segments, scaling, groups)
+    return flat.view(rows, length, heads, dim), None
+
+
+def _each_segment(
+    q: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float | None, groups: int
+) -> Tensor:
+    """The kernel's result without it: each segment through causal SDPA on its own."""
+    out = torch.empty_like(q)
+    bounds = segments.cu_seqlens.tolist()
+    for a, b in itertools.pairwise(bounds):
+        qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, n, D]
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[
+            0
+        ].transpose(0, 1)
+    return out
+
+
+def register() -> None:
+    """Make `NAME` an attention implementation transformers can load a model with (its mask:
+    sdpa's, for the calls outside a packed forward). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def refusal(config: Any) -> str | None:
+    """Why a target (its text config) cannot take the varlen path, or None."""
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return (
+            f"its layer types are {sorted(kinds)}; the varlen path runs full causal attention only"
+        )
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return f"it uses a sliding window ({config.sliding_window} tokens)"
+    for key in ("attn_logit_softcapping", "attention_sink", "sinks"):
+        if getattr(config, key, None):
+            return f"it sets {key} (not in the flash kernel)"
+    return None
