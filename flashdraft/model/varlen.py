@@ -85,16 +85,26 @@ def packed(segments: Segments) -> Iterator[None]:
         _active = before
 
 
-def _kernel() -> tuple[Any, dict[str, Any], bool] | None:
-    """(varlen_attn, its causal keyword, whether it takes enable_gqa), or None without it.
-    torch 2.10 spells causality `is_causal=True`, later releases `window_size=(-1, 0)`."""
+@dataclass(frozen=True, slots=True)
+class _Kernel:
+    """torch's varlen_attn and what its release takes: torch 2.10 spells causality
+    `is_causal=True` and has no `scale` or `enable_gqa`; later releases take
+    `window_size=(-1, 0)`, `scale` and `enable_gqa`."""
+
+    fn: Any
+    causal: dict[str, Any]
+    takes_scale: bool
+    takes_gqa: bool
+
+
+def _kernel() -> _Kernel | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    return varlen_attn, causal, "enable_gqa" in params
+    return _Kernel(varlen_attn, causal, "scale" in params, "enable_gqa" in params)
 
 
 _KERNEL = _kernel()
@@ -132,15 +142,19 @@ def varlen_attention(
         t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)
     )
     if uses_kernel(query):
-        assert _KERNEL is not None
-        varlen_attn, causal, takes_gqa = _KERNEL
-        if groups > 1 and not takes_gqa:
+        kernel = _KERNEL
+        assert kernel is not None
+        extra: dict[str, Any] = dict(kernel.causal)
+        if groups > 1 and kernel.takes_gqa:
+            extra["enable_gqa"] = True
+        elif groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        extra = {"enable_gqa": True} if groups > 1 and takes_gqa else {}
+        if scaling is not None and kernel.takes_scale:
+            extra["scale"] = scaling
+        elif scaling is not None:  # the kernel's own scale is 1/sqrt(D)
+            q = q * (scaling * dim**0.5)
         cu = segments.cu_seqlens
-        flat = varlen_attn(
-            q, k, v, cu, cu, segments.max_len, segments.max_len, scale=scaling, **causal, **extra
-        )
+        flat = kernel.fn(q, k, v, cu, cu, segments.max_len, segments.max_len, **extra)
     else:
         flat = _each_segment(q, k, v, segments, scaling, groups)
     return flat.view(rows, length, heads, dim), None

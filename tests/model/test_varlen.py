@@ -70,6 +70,45 @@ def test_outside_a_packed_forward_it_is_sdpa_and_the_startup_checks_pass(targets
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("release", ["2.10", "2.11+"])
+def test_the_kernel_call_fits_each_torch_release(monkeypatch, release) -> None:
+    """The arguments handed to torch's varlen_attn, by a stand-in kernel of each release's
+    signature (causal spelling, scale, GQA) that computes per segment: the result is the
+    CPU path's, with a non-default scale and 2 query heads per K/V head."""
+    calls = []
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):  # torch 2.10
+        assert is_causal and k.shape[1] == q.shape[1]  # K/V heads repeated for it
+        calls.append("old")
+        segments = varlen.Segments(cu_q, max_q)
+        return varlen._each_segment(q, k, v, segments, None, 1)
+
+    def new(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
+        assert window_size == (-1, 0) and enable_gqa and scale is not None
+        calls.append("new")
+        segments = varlen.Segments(cu_q, max_q)
+        return varlen._each_segment(q, k, v, segments, scale, q.shape[1] // k.shape[1])
+
+    fn = old if release == "2.10" else new
+    kernel = varlen._Kernel(
+        fn, {"is_causal": True} if fn is old else {"window_size": (-1, 0)}, fn is new, fn is new
+    )
+    monkeypatch.setattr(varlen, "_KERNEL", kernel)
+    monkeypatch.setattr(varlen, "uses_kernel", lambda query: True)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 10, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 10, 8, generator=gen) for _ in range(2))
+    segments = varlen.document_segments(torch.tensor([[0] * 6 + [1] * 4, [2] * 10]))
+    with varlen.packed(segments):
+        got, _ = varlen.varlen_attention(torch.nn.Module(), q, k, v, None, scaling=0.2)
+    flat = [t.transpose(1, 2).reshape(20, t.shape[1], 8) for t in (q, k, v)]
+    want = varlen._each_segment(*flat, segments, 0.2, 2).view(2, 10, 4, 8)
+    torch.testing.assert_close(got, want)
+    assert calls == ["old" if release == "2.10" else "new"]
+
+
 def test_targets_it_cannot_serve_are_refused_with_the_reason() -> None:
     assert varlen.refusal(Qwen3Config()) is None
     sliding = Qwen3Config(use_sliding_window=True, sliding_window=128, max_window_layers=0)
@@ -102,7 +141,9 @@ def test_the_flash_kernel_gives_the_flex_paths_taps_on_cuda(tiny_qwen3_dir) -> N
     flex = Target(
         load_target(str(tiny_qwen3_dir), "bfloat16", "flex_attention", "cuda"), [1, 3, 5], "flex"
     )
-    var = Target(load_target(str(tiny_qwen3_dir), "bfloat16", varlen.NAME, "cuda"), [1, 3, 5], "flex")
+    var = Target(
+        load_target(str(tiny_qwen3_dir), "bfloat16", varlen.NAME, "cuda"), [1, 3, 5], "flex"
+    )
     rows = [_row((300, 500, 200), 24, seed=4), _row((700, 324), 0, seed=5)]
     ids, positions, doc_ids = (torch.cat([r[i] for r in rows]).cuda() for i in range(3))
     segments = varlen.document_segments(doc_ids.cpu())
