@@ -121,18 +121,19 @@ def test_a_muon_run_stopped_at_a_checkpoint_resumes_to_the_uninterrupted_run(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
     """optim.optimizer = "muon" (two torch optimizers) with the linear schedule: a run
-    stopped after its step-4 checkpoint and resumed ends bit for bit as the run in one go
+    stopped after its step-3 checkpoint and resumed ends bit for bit as the run in one go
     (Muon's momentum, AdamW's moments and both groups' settings come back), and its loss
     falls."""
     muon = {
         **TRAIN,
-        "optim.max_steps": 8,
+        "optim.max_steps": 6,
+        "checkpoint.every": 3,
         "optim.optimizer": '"muon"',
         "optim.schedule": '"linear"',
     }
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **muon)]) == 0
-    first = train_settings(parts, tiny_qwen3_dir, qwen_data, **{**muon, "optim.max_steps": 4})
+    first = train_settings(parts, tiny_qwen3_dir, qwen_data, **{**muon, "optim.max_steps": 3})
     assert cli.main(["train", *first]) == 0
     rest = train_settings(parts, tiny_qwen3_dir, qwen_data, **muon)
     assert cli.main(["train", *rest, "--resume"]) == 0

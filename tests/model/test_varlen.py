@@ -124,7 +124,7 @@ def test_a_run_with_the_varlen_target_trains_as_the_masked_one(
     as the default (sdpa on the CPU) at fp32 rounding."""
     runs = {}
     for name, extra in (("mask", {}), ("varlen", {"target.attn_implementation": '"varlen"'})):
-        settings = {"optim.max_steps": 4, "log.every": 1, "checkpoint.every": 4, **extra}
+        settings = {"optim.max_steps": 3, "log.every": 1, "checkpoint.every": 3, **extra}
         out = tmp_path / name
         assert cli.main(["train", *train_settings(out, tiny_qwen3_dir, qwen_data, **settings)]) == 0
         runs[name] = read_metrics(out)
