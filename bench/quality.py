@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
-from quality_report import collect, write_quality_report  # beside this script
+from quality_report import (  # beside this script
+    collect,
+    hardware_name,
+    peer_row,
+    render_compare,
+    run_row,
+    write_quality_report,
+)
 
 from flashdraft import assets, storage
 from flashdraft import config as cfg
@@ -170,6 +177,19 @@ class QualityConfig:
     )
     only_pass: str | None = option(
         None, help="generate this pass only (greedy, sample1, ...): how --gpus runs them apart"
+    )
+    zlab_parity: bool = option(
+        True,
+        help="run z-lab's reference loop beside each held-out T = 0 eval (4 prompts, fp32); "
+        "--no-zlab-parity saves ~0.5 device-minute per kind (ablations)",
+    )
+    runs: list[str] = option(
+        factory=list, help="compare: the runs of OUT/runs side by side (default: every run)"
+    )
+    peer: str | None = option(
+        None,
+        metavar="DIR",
+        help="compare: bench/peer_recipe.py's output (default: OUT/runs/peer-speculators)",
     )
 
     def __post_init__(self) -> None:
@@ -513,7 +533,7 @@ class Pipeline:
             # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample),
             # on 4 prompts: exact agreement needs no more, and both loops are eager there
             parity = None
-            if one.held_out and one.temperature == 0:
+            if one.held_out and one.temperature == 0 and self.config.zlab_parity:
                 limit = min(4, self.config.eval_prompts)
                 parity = zlab_parity(dataclasses.replace(config, limit=limit, reference=False))
             if parity is not None:
@@ -698,7 +718,11 @@ def parse(argv: list[str] | None = None) -> tuple[str, QualityConfig, list[str]]
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("stage", choices=(*STAGES, "all"), help="one stage, or all in order")
+    parser.add_argument(
+        "stage",
+        choices=(*STAGES, "all", "compare"),
+        help="one stage, or all in order; compare: finished runs (and the peer's) side by side",
+    )
     cfg.add_arguments(parser, QualityConfig)
     parser.add_argument(
         "--set",
@@ -715,8 +739,34 @@ def parse(argv: list[str] | None = None) -> tuple[str, QualityConfig, list[str]]
     return args.stage, config, args.overrides
 
 
+def compare(config: QualityConfig) -> dict[str, Any]:
+    """The `compare` stage: OUT's runs and the peer's run as one table, printed and written to
+    BENCH_DIR/quality_<hw>_<date>_compare.md."""
+    out = Path(config.output)
+    names = config.runs or sorted(
+        p.name for p in (out / "runs").iterdir() if p.is_dir() and p.name != "peer-speculators"
+    )
+    rows = [run_row(out, name) for name in names]
+    peer = peer_row(Path(config.peer) if config.peer else out / "runs" / "peer-speculators")
+    table = render_compare(rows, peer)
+    env = environment()
+    bench = Path(config.bench_dir or "benchmarks")
+    bench.mkdir(parents=True, exist_ok=True)
+    md = bench / f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_compare.md"
+    command = " ".join(["python", *sys.argv])
+    md.write_text(
+        f"# Runs side by side: held-out tau at T = 0 ({env['date']})\n\nCommand: `{command}`  \n"
+        f"Commit `{env.get('commit')}`; every run of `{out}`, same data and eval.\n\n{table}"
+    )
+    log.info(table)
+    log.info(f"written: {md}")
+    return {"complete": True, "stage": "compare", "runs": names, "peer": peer is not None}
+
+
 def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, Any]:
     """The stages asked for, in order; stops early (complete = False) at the deadline."""
+    if stage == "compare":
+        return compare(config)
     pipeline = Pipeline(config, overrides)
     if pipeline.device == "cpu":
         # The smoke run shares a small machine (tests): one thread, as the test suite uses;

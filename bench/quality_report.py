@@ -259,3 +259,105 @@ def write_quality_report(
     png.write_bytes(plot(summary))
     md.write_text(render(summary, env, command).replace("(PLOT)", f"({png.name})"))
     return md, png, summary
+
+
+# ---- several runs side by side (`bench/quality.py compare`) --------------------------------
+
+# Run-config keys that say where and how often, not what is trained: left out of the diff.
+_NOT_RECIPE = ("output", "target.", "data.datasets", "device", "log.", "checkpoint.", "eval.")
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def run_row(out: Path, run: str) -> dict[str, Any]:
+    """One flashdraft run of OUT: its held-out T = 0 evals, steps, median step time and its
+    recipe (the run config, flattened)."""
+    summary = collect(out, run)
+    metrics = summary["metrics"]
+    train = summary["train"] or {}
+    recipe = {
+        k: v
+        for k, v in _flat(train.get("settings", {}).get("run", {})).items()
+        if not k.startswith(_NOT_RECIPE)
+    }
+    step_s = _median([r["step_s"] for r in metrics if isinstance(r.get("step_s"), float)])
+    return {
+        "name": run,
+        "evals": summary["evals"],
+        "steps": metrics[-1]["step"] if metrics else None,
+        "step_ms": None if step_s is None else step_s * 1e3,
+        "recipe": recipe,
+    }
+
+
+def peer_row(folder: Path) -> dict[str, Any] | None:
+    """bench/peer_recipe.py's run in `folder` (its report.json and eval/), or None."""
+    report_path = folder / "report.json"
+    if not report_path.exists():
+        return None
+    report = json.loads(report_path.read_text())
+    evals = {}
+    for kind in KINDS:
+        path = folder / "eval" / f"{kind}.json"
+        evals[kind] = json.loads(path.read_text()) if path.exists() else None
+    steps = report.get("steps")
+    return {
+        "name": f"peer: speculators {report.get('peer_version', '?')}",
+        "evals": evals,
+        "steps": steps,
+        "step_ms": report["train_s"] / steps * 1e3 if steps and report.get("train_s") else None,
+        "recipe": {"recipe": "speculators' own (Muon, D-PACE, linear schedule)"},
+    }
+
+
+def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
+    """A markdown table of the runs (the keys where their recipes differ) and, when the peer
+    ran, each run's tau over the peer's per kind (issue 18's goal: >= 1.05)."""
+    recipes = [r["recipe"] for r in rows]
+    keys = sorted({k for rec in recipes for k in rec})
+    differ = [k for k in keys if len({json.dumps(rec.get(k)) for rec in recipes}) > 1]
+    head = ["run", "differs", "steps", "ms/step", *(KIND_NAMES[k] for k in KINDS)]
+    if peer is not None:
+        head += [f"/ peer, {KIND_NAMES[k]}" for k in KINDS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cells(row: dict[str, Any], is_peer: bool) -> list[str]:
+        what = "; ".join(f"{k}={row['recipe'].get(k)}" for k in differ) or "—"
+        if is_peer:
+            what = row["recipe"]["recipe"]
+        ms = "—" if row["step_ms"] is None else f"{row['step_ms']:.1f}"
+        out = [row["name"], what, str(row["steps"] or "—"), ms]
+        for kind in KINDS:
+            e = row["evals"].get(kind)
+            if e is None or e.get("tau") is None:
+                out.append("—")
+            else:
+                speedup = f" ({e['speedup']:.2f}x)" if e.get("speedup") else ""
+                out.append(f"{e['tau']:.3f}{speedup}")
+        if peer is not None:
+            for kind in KINDS:
+                mine, theirs = row["evals"].get(kind), peer["evals"].get(kind)
+                if is_peer or not mine or not theirs or not theirs.get("tau"):
+                    out.append("—")
+                else:
+                    out.append(f"{mine['tau'] / theirs['tau']:.2f}")
+        return out
+
+    for row in rows:
+        lines.append("| " + " | ".join(cells(row, False)) + " |")
+    if peer is not None:
+        lines.append("| " + " | ".join(cells(peer, True)) + " |")
+    return "\n".join(lines) + "\n"

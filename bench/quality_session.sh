@@ -78,6 +78,7 @@
 # bytes -> partab; the rest -> partac) and runs one (partaa), part (partab), two (partac).
 # Ablations on those answers: QUALITY_ARGS as in the ninth session's `two` but without its
 # `--run` (QUALITY_ARGS comes last on the command line, so its --run would win), then e.g.
+# (add --no-zlab-parity to QUALITY_ARGS: the parity is measured already)
 #   bash bench/quality_session.sh ablate dpace2 optim.epochs=2 loss.weighting=dpace
 #   bash bench/quality_session.sh ablate muon2 optim.epochs=2 optim.optimizer=muon \
 #     optim.lr=1e-3 optim.schedule=linear optim.min_lr_ratio=0 optim.warmup_steps=46
@@ -115,7 +116,7 @@ quality() {  # quality NAME ARGS...: one bench/quality.py invocation, its log in
 collect() {  # the small results of every run, and the export of finished ones
   (cd "$RUN_DIR" 2>/dev/null && tar czf "$OUT/quality.tgz" --ignore-failed-read \
     prompts/split.json stages data/manifest.json runs/*.run.json runs/*.log \
-    runs/*/metrics.jsonl runs/*/eval runs/*/best/best.json 2>/dev/null)
+    runs/*/metrics.jsonl runs/*/eval runs/*/report.json runs/*/best/best.json 2>/dev/null)
   # The generated answers, once complete: the next session carries them back (`one` unpacks
   # .qcarry/gen.tar.xz) and skips generation (~6 device-minutes for 40K answers).
   if ls "$RUN_DIR"/stages/generate-*.json > /dev/null 2>&1 && [ ! -f "$RUN_DIR/gen.sent" ] \

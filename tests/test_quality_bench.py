@@ -276,3 +276,43 @@ def test_prepare_refuses_answers_not_all_generated(
     pipeline.save_marker(f"generate-{names[-1]}", {}, complete=False)
     with pytest.raises(RuntimeError, match=f"answers of {names[-1]} are not all generated"):
         pipeline.prepare()
+
+
+def test_compare_sets_runs_beside_each_other_and_the_peer(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """`bench/quality.py compare`: one row per run with the recipe keys that differ, the
+    median step time and each kind's tau; the peer's row, and each run's tau over the peer's."""
+    out = tmp_path / "q"
+    recipes = {"base": "decay", "dpace": "dpace"}
+    taus = {"base": (3.0, 2.0, 2.5), "dpace": (4.0, 2.2, 3.0)}
+    for name, weighting in recipes.items():
+        run = out / "runs" / name
+        (run / "eval").mkdir(parents=True)
+        for kind, tau in zip(("chat", "humaneval", "code"), taus[name], strict=True):
+            report = _eval_report(tau, [0.5], speedup=tau * 0.7)
+            (run / "eval" / f"{kind}.json").write_text(json.dumps(report))
+        lines = [json.dumps({"step": s, "step_s": 0.03 + s * 1e-4}) for s in (20, 40, 60)]
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        settings = {"run": {"output": str(run), "loss": {"weighting": weighting, "anchors": 512}}}
+        (out / "stages").mkdir(exist_ok=True)
+        (out / "stages" / f"train-{name}.json").write_text(json.dumps({"settings": settings}))
+    peer = out / "runs" / "peer-speculators"
+    (peer / "eval").mkdir(parents=True)
+    for kind, tau in zip(("chat", "humaneval", "code"), (5.0, 2.0, 3.0), strict=True):
+        (peer / "eval" / f"{kind}.json").write_text(json.dumps(_eval_report(tau, [0.5])))
+    (peer / "report.json").write_text(
+        json.dumps({"steps": 60, "train_s": 4.5, "peer_version": "0.9.0"})
+    )
+    bench = tmp_path / "bench"
+    _, config, _ = quality.parse(["compare", "--output", str(out), "--bench-dir", str(bench)])
+    result = quality.run("compare", config, [])
+    assert result["runs"] == ["base", "dpace"] and result["peer"] is True
+    (md,) = bench.glob("quality_*_compare.md")
+    table = md.read_text()
+    base = next(line for line in table.splitlines() if line.startswith("| base"))
+    assert "loss.weighting=decay" in base and "anchors" not in base  # only what differs
+    assert "| 60 | 34.0 |" in base  # last step, median step time in ms
+    assert "3.000 (2.10x)" in base and "| 0.60 | 1.00 | 0.83 |" in base  # tau / peer's
+    peer_line = next(line for line in table.splitlines() if line.startswith("| peer"))
+    assert "speculators 0.9.0" in peer_line and "| 75.0 |" in peer_line
