@@ -84,6 +84,21 @@ def test_the_static_backend_gives_the_hf_backends_greedy_results(smol: tuple[Any
     assert short == reference[:1]
     assert backend.generate(prompts, seed=0, on_tokens=counted.append) == reference
     assert sum(counted) >= sum(g.num_generated for g in reference)
+    # A window of longer prompts: with caches sized in steps of 128 the decoder is rebuilt
+    # (and still right); with the default headroom (new caches rounded up to 512 positions)
+    # the first decoder holds it.
+    longer = [(prompts[0] * 8)[:300]]
+    alone = HFBackend(model, sampling, [SMOLLM2_EOS], SMOLLM2_EOS).generate(
+        longer, seed=0, on_tokens=lambda n: None
+    )
+    for grow_to, rebuilt in ((128, True), (512, False)):
+        one = StaticBackend(model, sampling, [SMOLLM2_EOS], slots=3, sync_every=4)
+        one.grow_to = grow_to
+        one.generate(prompts[:1], seed=0, on_tokens=lambda n: None)
+        first = one.decoder
+        assert first is not None and first.max_len == grow_to
+        assert one.generate(longer, seed=0, on_tokens=lambda n: None) == alone
+        assert (one.decoder is not first) == rebuilt
     sampled = StaticBackend(
         model, Sampling(temperature=1.0, max_new_tokens=6), [SMOLLM2_EOS], slots=2
     )
