@@ -118,7 +118,7 @@ def test_train_killed_at_a_random_point_resumes_to_the_uninterrupted_run(
 
 
 def test_a_muon_run_stopped_at_a_checkpoint_resumes_to_the_uninterrupted_run(
-    tmp_path, tiny_qwen3_dir, qwen_data
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:
     """optim.optimizer = "muon" (two torch optimizers) with the linear schedule: a run
     stopped after its step-3 checkpoint and resumed ends bit for bit as the run in one go
@@ -133,6 +133,7 @@ def test_a_muon_run_stopped_at_a_checkpoint_resumes_to_the_uninterrupted_run(
     }
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **muon)]) == 0
+    assert "optimizer Muon + AdamW, lr 0.01, linear schedule" in capsys.readouterr().out
     first = train_settings(parts, tiny_qwen3_dir, qwen_data, **{**muon, "optim.max_steps": 3})
     assert cli.main(["train", *first]) == 0
     rest = train_settings(parts, tiny_qwen3_dir, qwen_data, **muon)

@@ -169,6 +169,14 @@ class Trainer:
             f"of {config.data.row_tokens} tokens over {config.optim.epochs} epoch(s); "
             f"{self.total_steps} steps of {self.rows_per_step} rows; {self.placement.kind}: {where}",
         ]
+        o = config.optim
+        groups = [
+            type(opt).__name__ for opt in getattr(self.optimizer, "optimizers", [self.optimizer])
+        ]
+        lines.append(
+            f"  optimizer {' + '.join(groups)}, lr {o.lr:g}, {o.schedule} schedule, "
+            f"{o.warmup_steps} warmup steps; loss weighting {config.loss.weighting}"
+        )
         if long_samples:
             lines.append(
                 f"  {long_samples:,} sample(s) longer than a row: "
