@@ -262,6 +262,7 @@ def train_peer(
     put = device_put(device)
     # The rows after the ones trained in earlier calls (grad_accum rows per step).
     start = done["step"] if done else 0
+    resumed_after = [*(done or {}).get("resumed_after", []), *([start] if start else [])]
     after = itertools.islice(plan.positions(0), start * run.optim.grad_accum, None)
     rows = plan.stream.iterate(after, run.data.prefetch)
     model.train()
@@ -327,10 +328,7 @@ def train_peer(
                 progress = {
                     "settings": settings,
                     "step": step,
-                    "resumed_after": [
-                        *(done or {}).get("resumed_after", []),
-                        *([start] if start else []),
-                    ],
+                    "resumed_after": resumed_after,
                     "tokens": tokens,
                     "train_s": round(earlier_s + time.perf_counter() - started, 1),
                     "label_agreement": agreement,
@@ -352,7 +350,7 @@ def train_peer(
         "label_agreement": agreement,
         "tokens": tokens,
         "train_s": round(earlier_s + time.perf_counter() - started, 1),
-        "resumed_after": [*(done or {}).get("resumed_after", []), *([start] if start else [])],
+        "resumed_after": resumed_after,
         "history": history,
     }
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import io
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 from flashdraft.data.sources import KINDS
+from flashdraft.train.config import flatten
 
 KIND_NAMES = {"chat": "chat", "humaneval": "code: HumanEval", "code": "code: mined Python"}
 GOALS = {"chat": "≥ 3.0", "humaneval": "≥ 3.5", "code": "—"}
@@ -267,21 +269,6 @@ def write_quality_report(
 _NOT_RECIPE = ("output", "target.", "data.datasets", "device", "log.", "checkpoint.", "eval.")
 
 
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-def _median(values: list[float]) -> float | None:
-    values = sorted(values)
-    return values[len(values) // 2] if values else None
-
-
 def run_row(out: Path, run: str) -> dict[str, Any]:
     """One flashdraft run of OUT: its held-out T = 0 evals, steps, median step time and its
     recipe (the run config, flattened)."""
@@ -290,10 +277,11 @@ def run_row(out: Path, run: str) -> dict[str, Any]:
     train = summary["train"] or {}
     recipe = {
         k: v
-        for k, v in _flat(train.get("settings", {}).get("run", {})).items()
+        for k, v in flatten(train.get("settings", {}).get("run", {})).items()
         if not k.startswith(_NOT_RECIPE)
     }
-    step_s = _median([r["step_s"] for r in metrics if isinstance(r.get("step_s"), float)])
+    times = [r["step_s"] for r in metrics if isinstance(r.get("step_s"), float)]
+    step_s = statistics.median(times) if times else None
     return {
         "name": run,
         "evals": summary["evals"],

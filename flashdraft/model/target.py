@@ -321,6 +321,7 @@ class Target:
         assert labels is not None
         dtype = self.head.weight.dtype
         tolerance = PACKING_TOLERANCE.get(dtype, 1e-2)
+        path_tolerance = PATH_TOLERANCE.get(dtype, 0.1)
         path = self.linear.path if self.linear is not None else "attention mask only"
         start, floor = 0, [0.0] * len(self.taps.layer_ids)
         for d, doc in enumerate(docs):
@@ -330,11 +331,11 @@ class Target:
                 taps, alone_labels, logits = self._document_alone(doc.to(self.device))
             errors = tap_errors(features[0, span], taps, self.taps)
             for k, (layer, error) in enumerate(zip(self.taps.layer_ids, errors, strict=True)):
-                if d == 0 and error > PATH_TOLERANCE.get(dtype, 0.1):
+                if d == 0 and error > path_tolerance:
                     raise ValueError(
                         f"hybrid target: the tap of layer {layer} in a packed row differs from "
                         f"document 0 run alone by {error:.2g} (relative; tolerance "
-                        f"{PATH_TOLERANCE.get(dtype, 0.1):g}); nothing precedes the first "
+                        f"{path_tolerance:g}); nothing precedes the first "
                         f"document, so the packed forward (packed path: {path}) is not the "
                         "model's own; refusing to train on features the target never produces"
                     )
@@ -353,10 +354,10 @@ class Target:
             )
             # A label may differ only where the document's own top logits tie within the
             # tolerance its taps are held to.
-            got = labels[0, span]
-            near = PATH_TOLERANCE.get(dtype, 0.1) if d == 0 else tolerance + 2 * max(floor)
+            near = path_tolerance if d == 0 else tolerance + 2 * max(floor)
             if d == 0:
-                floor = errors
+                floor = errors  # the rounding the later documents are measured against
+            got = labels[0, span]
             tie = near * float(logits.abs().max())
             picked = logits.gather(1, got[:, None])[:, 0]
             flips = (got != alone_labels) & (picked < logits.max(dim=-1).values - tie)

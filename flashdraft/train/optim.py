@@ -58,7 +58,7 @@ def build_optimizer(
     """AdamW over the drafter's fp32 master weights (the fused kernel on CUDA); with
     `optim.optimizer = "muon"`, torch's Muon on the weight matrices (lr scaled to match
     AdamW's update RMS) and AdamW on the rest, as one `Optimizers`."""
-    adamw = dict(
+    adamw: dict[str, Any] = dict(
         lr=optim.lr,
         betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
@@ -66,7 +66,7 @@ def build_optimizer(
         fused=device.type == "cuda",
     )
     if optim.optimizer == "adamw":
-        return torch.optim.AdamW(drafter.parameters(), **adamw)  # type: ignore[arg-type]
+        return torch.optim.AdamW(drafter.parameters(), **adamw)
     matrices, rest = muon_split(drafter)
     muon = torch.optim.Muon(
         matrices,
@@ -75,7 +75,7 @@ def build_optimizer(
         weight_decay=optim.muon_weight_decay,
         adjust_lr_fn="match_rms_adamw",
     )
-    return Optimizers([muon, *([torch.optim.AdamW(rest, **adamw)] if rest else [])])  # type: ignore[arg-type]
+    return Optimizers([muon, *([torch.optim.AdamW(rest, **adamw)] if rest else [])])
 
 
 class FiniteGuard:
