@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import statistics
 from pathlib import Path
 from typing import Any
@@ -311,10 +312,46 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
     }
 
 
+def tau_ratio_interval(
+    mine: dict[str, Any], theirs: dict[str, Any], *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """A 90% paired bootstrap interval of tau(mine) / tau(theirs) over the eval's prompts
+    (both evals ran the same prompts: each resample draws prompts and keeps both runs'
+    results on them); None when the reports do not carry matching per-prompt results. On 8
+    prompts one long repetitive answer can move a kind's tau by 20%: the interval says so."""
+    a, b = mine.get("per_prompt") or [], theirs.get("per_prompt") or []
+    if not a or len(a) != len(b):
+        return None
+    pairs = [
+        (
+            sum(x["acceptance_lengths"]),
+            len(x["acceptance_lengths"]),
+            sum(y["acceptance_lengths"]),
+            len(y["acceptance_lengths"]),
+        )
+        for x, y in zip(a, b, strict=True)
+    ]
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        steps_a, steps_b = sum(p[1] for p in draw), sum(p[3] for p in draw)
+        if steps_a == 0 or steps_b == 0:
+            continue
+        tau_a, tau_b = sum(p[0] for p in draw) / steps_a, sum(p[2] for p in draw) / steps_b
+        if tau_b > 0:
+            ratios.append(tau_a / tau_b)
+    if not ratios:
+        return None
+    ratios.sort()
+    return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
+
+
 def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
     """A markdown table of the runs (the keys where their recipes differ) and, when the peer
-    ran, each run's tau over the peer's per kind (issue 18's goal: >= 1.05)."""
-    recipes = [r["recipe"] for r in rows]
+    ran, each run's tau over the peer's per kind (issue 18's goal: >= 1.05) with its 90%
+    paired bootstrap interval over the prompts."""
+    recipes = [r["recipe"] for r in rows if r["recipe"]]  # a run not started has none
     keys = sorted({k for rec in recipes for k in rec})
     differ = [k for k in keys if len({json.dumps(rec.get(k)) for rec in recipes}) > 1]
     head = ["run", "differs", "steps", "ms/step", *(KIND_NAMES[k] for k in KINDS)]
@@ -324,6 +361,8 @@ def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> s
 
     def cells(row: dict[str, Any], is_peer: bool) -> list[str]:
         what = "; ".join(f"{k}={row['recipe'].get(k)}" for k in differ) or "—"
+        if not row["recipe"]:
+            what = "(no train record)"
         if is_peer:
             what = row["recipe"]["recipe"]
         ms = "—" if row["step_ms"] is None else f"{row['step_ms']:.1f}"
@@ -341,7 +380,11 @@ def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> s
                 if is_peer or not mine or not theirs or not theirs.get("tau"):
                     out.append("—")
                 else:
-                    out.append(f"{mine['tau'] / theirs['tau']:.2f}")
+                    ratio = f"{mine['tau'] / theirs['tau']:.2f}"
+                    interval = tau_ratio_interval(mine, theirs)
+                    if interval is not None:
+                        ratio += f" [{interval[0]:.2f}-{interval[1]:.2f}]"
+                    out.append(ratio)
         return out
 
     for row in rows:

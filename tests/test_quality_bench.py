@@ -297,6 +297,9 @@ def test_compare_sets_runs_beside_each_other_and_the_peer(
         settings = {"run": {"output": str(run), "loss": {"weighting": weighting, "anchors": 512}}}
         (out / "stages").mkdir(exist_ok=True)
         (out / "stages" / f"train-{name}.json").write_text(json.dumps({"settings": settings}))
+    # a run stopped before its train marker: listed, and no reason to call every key different
+    (out / "runs" / "started").mkdir()
+    (out / "runs" / "started" / "metrics.jsonl").write_text(json.dumps({"step": 20}) + "\n")
     peer = out / "runs" / "peer-speculators"
     (peer / "eval").mkdir(parents=True)
     for kind, tau in zip(("chat", "humaneval", "code"), (5.0, 2.0, 3.0), strict=True):
@@ -307,12 +310,34 @@ def test_compare_sets_runs_beside_each_other_and_the_peer(
     bench = tmp_path / "bench"
     _, config, _ = quality.parse(["compare", "--output", str(out), "--bench-dir", str(bench)])
     result = quality.run("compare", config, [])
-    assert result["runs"] == ["base", "dpace"] and result["peer"] is True
+    assert result["runs"] == ["base", "dpace", "started"] and result["peer"] is True
     (md,) = bench.glob("quality_*_compare.md")
     table = md.read_text()
     base = next(line for line in table.splitlines() if line.startswith("| base"))
     assert "loss.weighting=decay" in base and "anchors" not in base  # only what differs
     assert "| 60 | 34.0 |" in base  # last step, median step time in ms
     assert "3.000 (2.10x)" in base and "| 0.60 | 1.00 | 0.83 |" in base  # tau / peer's
+    started = next(line for line in table.splitlines() if line.startswith("| started"))
+    assert "(no train record) | 20 |" in started
     peer_line = next(line for line in table.splitlines() if line.startswith("| peer"))
     assert "speculators 0.9.0" in peer_line and "| 75.0 |" in peer_line
+
+
+def test_tau_ratio_interval_is_paired_over_prompts(quality: ModuleType) -> None:
+    """The compare table's interval: resampling prompts, both runs' results on a prompt stay
+    together. Equal runs give exactly 1; one prompt that decides the ratio widens it to cover
+    both the ratio with and without that prompt."""
+    report = sys.modules["quality_report"]
+
+    def ev(*lengths: list[int]) -> dict:
+        return {"per_prompt": [{"acceptance_lengths": x} for x in lengths]}
+
+    same = ev([3, 3, 2], [1, 1], [5, 4])
+    assert report.tau_ratio_interval(same, same) == (1.0, 1.0)
+    # prompt 3: 40 tokens in 10 steps vs 40 tokens in 4 steps; the others are equal
+    mine = ev([2, 2, 2], [3, 3], [4] * 10)
+    theirs = ev([2, 2, 2], [3, 3], [10] * 4)
+    low, high = report.tau_ratio_interval(mine, theirs)
+    assert low < 46 / 15 / (46 / 9) < high <= 1.0  # the point ratio, inside; never above 1
+    assert low < 0.7 and high == 1.0  # resamples without prompt 3 give exactly 1
+    assert report.tau_ratio_interval(mine, ev([1])) is None  # not the same prompts

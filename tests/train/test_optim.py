@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flashdraft.train.config import OptimSection
-from flashdraft.train.optim import FiniteGuard, build_optimizer
+from flashdraft.train.optim import FiniteGuard, Muon, Optimizers, build_optimizer
 from flashdraft.train.parallel import Placement
 
 ALONE = Placement("colocated", "colocated", 0, 1, (0,), (0,))
@@ -64,15 +64,16 @@ def test_adamw_follows_the_optim_section_and_is_fused_on_cuda_only() -> None:
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs() -> None:
-    """The CUDA path as the trainer runs it: clip, observe, fused AdamW with the flag as its
-    `found_inf`; no host sync anywhere (sync debug mode turns one into an error), and a NaN
-    step leaves the weights alone."""
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs(name) -> None:
+    """The CUDA path as the trainer runs it: clip, observe, fused AdamW (and flashdraft's
+    Muon) with the flag as its `found_inf`; no host sync anywhere (sync debug mode turns one
+    into an error), and a NaN step leaves the weights alone."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device("cuda")
-    model = nn.Linear(64, 64).to(device)
-    optimizer = build_optimizer(model, OptimSection(lr=0.1), device)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)).to(device)
+    optimizer = build_optimizer(model, OptimSection(optimizer=name, lr=0.1), device)
     guard = FiniteGuard(optimizer, device, start=0)
     assert guard.fused
 
@@ -99,7 +100,7 @@ def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs() -> None:
 
 
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest() -> None:
-    """optim.optimizer = "muon": torch's Muon (its update scaled to AdamW's RMS) on every
+    """optim.optimizer = "muon": flashdraft's Muon (its update scaled to AdamW's RMS) on every
     trainable 2-D matrix with both sides > 1, AdamW on the rest; frozen parameters in
     neither; one lr setting reaches both."""
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
@@ -109,10 +110,9 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest() -> None:
     section = OptimSection(optimizer="muon", lr=2e-3, weight_decay=0.01, muon_weight_decay=0.2)
     optimizers = build_optimizer(model, section, torch.device("cpu"))
     muon, adamw = list(optimizers)
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
     assert [p.shape for p in muon.param_groups[0]["params"]] == [torch.Size([8, 4])]
     assert {tuple(p.shape) for p in adamw.param_groups[0]["params"]} == {(8,), (1, 8), (1,)}
-    assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
     assert (muon.param_groups[0]["weight_decay"], adamw.param_groups[0]["weight_decay"]) == (
         0.2,
         0.01,
@@ -122,18 +122,83 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest() -> None:
     assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == 5e-4
 
 
-def test_the_guard_keeps_a_non_finite_step_from_muon_too() -> None:
-    """Muon has no fused kernel to hand the flag to: the guard skips the step on the host,
-    for both optimizers, and every step after it."""
+def test_muon_is_torch_muon_batched_by_shape() -> None:
+    """flashdraft's Muon against torch.optim.Muon (match_rms_adamw, Nesterov) over four steps
+    on matrices of three shapes, two of one shape (one batch), tall and wide: the same
+    weights and momenta up to bf16 rounding of the Newton-Schulz matmuls (batched here, one
+    by one there)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
-    optimizers = build_optimizer(model, OptimSection(optimizer="muon"), torch.device("cpu"))
-    guard = FiniteGuard(optimizers, torch.device("cpu"), start=0)
-    assert not guard.fused
-    _step(model, guard, 1.0)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    _step(model, guard, float("nan"))
-    _step(model, guard, 1.0)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, before[name]), name
-    assert guard.first_bad_step(ALONE) == 2
+    shapes = [(8, 4), (8, 4), (4, 8), (6, 6)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1)
+    mine = Muon(ours, **kwargs)
+    reference = torch.optim.Muon(theirs, adjust_lr_fn="match_rms_adamw", **kwargs)
+    for _ in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        mine.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert not torch.equal(a, torch.zeros_like(a))
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-4)
+        torch.testing.assert_close(
+            mine.state[a]["momentum_buffer"], reference.state[b]["momentum_buffer"]
+        )
+    with pytest.raises(ValueError, match="2-D matrices"):
+        Muon([nn.Parameter(torch.zeros(3))], lr=0.1)
+
+
+def test_muon_reads_found_inf_and_a_flagged_step_changes_nothing() -> None:
+    """found_inf = 0: the step of no flag (to fp32 rounding of 1 - lr * decay on the device);
+    found_inf = 1 with non-finite gradients: weights and momenta bit for bit as before."""
+    torch.manual_seed(0)
+    weights = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(5, 3))]
+    twins = [nn.Parameter(w.detach().clone()) for w in weights]
+    flagged, plain = Muon(weights, lr=0.05), Muon(twins, lr=0.05)
+    flagged.found_inf = torch.zeros(())
+    for _ in range(2):
+        for a, b in zip(weights, twins, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        flagged.step()
+        plain.step()
+    for a, b in zip(weights, twins, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    before = [w.detach().clone() for w in weights]
+    momenta = [flagged.state[w]["momentum_buffer"].clone() for w in weights]
+    flagged.found_inf = torch.ones(())
+    for w in weights:
+        w.grad = torch.full_like(w, float("nan"))
+    flagged.step()
+    for w, old, buf in zip(weights, before, momenta, strict=True):
+        assert torch.equal(w, old) and torch.equal(flagged.state[w]["momentum_buffer"], buf)
+
+
+def test_the_guard_keeps_a_non_finite_step_from_muon_too() -> None:
+    """On the CPU the AdamW beside Muon is the foreach one, which has no flag input: the
+    guard skips both on the host. With a fused AdamW (the CUDA build; PyTorch has the fused
+    kernel on the CPU too) both read the flag on the device, and the NaN step and every one
+    after it still change nothing, momenta included."""
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+        optimizers = build_optimizer(model, OptimSection(optimizer="muon"), torch.device("cpu"))
+        if fused:
+            muon, adamw = list(optimizers)
+            rest = [p for group in adamw.param_groups for p in group["params"]]
+            optimizers = Optimizers([muon, torch.optim.AdamW(rest, fused=True)])
+        guard = FiniteGuard(optimizers, torch.device("cpu"), start=0)
+        assert guard.fused == fused
+        _step(model, guard, 1.0)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        momentum = optimizers.optimizers[0].state[model[0].weight]["momentum_buffer"].clone()
+        _step(model, guard, float("nan"))
+        _step(model, guard, 1.0)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+        assert torch.equal(
+            optimizers.optimizers[0].state[model[0].weight]["momentum_buffer"], momentum
+        )
+        assert guard.first_bad_step(ALONE) == 2
