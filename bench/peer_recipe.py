@@ -104,7 +104,7 @@ class PeerRecipeConfig:
         help="held-out prompt files, each evaluated on its own (bench/quality.py: "
         "OUT/prompts/held_out/*.jsonl)",
     )
-    eval_limit: int = option(8, ge=1, help="prompts evaluated per file (quality.py's default)")
+    eval_limit: int = option(24, ge=1, help="prompts evaluated per file (quality.py's default)")
     eval_max_new_tokens: int = option(256, ge=1, help="tokens generated per eval prompt")
     device: Literal["auto", "cpu", "cuda"] = option("auto", help="where target and drafter run")
     loss_implementation: Literal["eager", "fused"] = option(

@@ -147,7 +147,12 @@ class QualityConfig:
         "stage that would overrun stops where it can resume (training: just after a "
         "checkpoint) and the next call continues",
     )
-    eval_prompts: int = option(8, ge=1, help="held-out prompts evaluated per kind")
+    eval_prompts: int = option(
+        24,
+        ge=1,
+        help="held-out prompts evaluated per kind (HumanEval holds out 29; on 8, one long "
+        "answer moved a kind's tau by 20%: benchmarks/quality_h200_20261202_ablations.md)",
+    )
     eval_kinds: list[str] = option(
         factory=lambda: list(KINDS), choices=KINDS, help="held-out prompt kinds evaluated"
     )

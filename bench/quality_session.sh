@@ -82,8 +82,16 @@
 #   bash bench/quality_session.sh ablate dpace2 optim.epochs=2 loss.weighting=dpace
 #   bash bench/quality_session.sh ablate muon2 optim.epochs=2 optim.optimizer=muon \
 #     optim.lr=1e-3 optim.schedule=linear optim.min_lr_ratio=0 optim.warmup_steps=46
+#
+# 2026-12-02, tenth session (benchmarks/quality_h200_20261202_ablations.md): with the prompts
+# and answers carried (.qcarry, 25 MB), only the gguf and dflash wheels are needed
+# (WHEELS=.whl/min, 0.15 MB), and with benchmarks/artifacts/ and benchmarks/raw/ moved out
+# the tree is 2 MB: the GGUF goes in two parts (head -c 38000000 / the rest), `one` carries
+# .whl/min, .qcarry and partaa, `two` partab. Then `multi` ran four ablations side by side
+# (calls 2-4, resumed) in 29 device-minutes with a fifth alone: ABLATIONS="NAME K=V ...;...",
+# and `peereval` (carry .qpeer) evaluates the peer's export again with this stage's settings.
 set -u
-stage=${1:?one|part|cache|two|more|peer|multi|ablate NAME KEY=VALUE...}
+stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -139,6 +147,8 @@ collect() {  # the small results of every run, and the export of finished ones
   for export in "$RUN_DIR"/runs/*/export; do
     [ -f "$export/config.json" ] || continue
     run=$(basename "$(dirname "$export")")
+    # EXPORT_RUNS="a b": only these runs' exports (2 files of 15 MB each)
+    [ -z "${EXPORT_RUNS:-}" ] || [[ " $EXPORT_RUNS " == *" $run "* ]] || continue
     # in parts of 15 MB: a file over 16 MiB does not come back from the device machine
     tar czf - -C "$(dirname "$export")" export | split -b 15000000 - "$OUT/export_$run.tgz.part"
   done
@@ -220,6 +230,18 @@ peer)
   grep -v "Loading weights" "$OUT/peer.txt" | tail -n 30
   cp "$RUN_DIR"/runs/peer-speculators/report.json "$OUT/peer_report.json" 2>/dev/null
   ;;
+peereval)
+  # carry [".qpeer"]: the peer's dflash export (export_peer-speculators.tgz.part*, as `collect`
+  # sends it) and its peer_report.json, evaluated again by the eval stage of the flashdraft
+  # runs (same prompts, limit and loop), e.g. after --eval-prompts changed; `compare` then
+  # reads runs/peer-speculators/eval/ (2026-12-02: the 8-prompt evals were too noisy on chat)
+  mkdir -p "$RUN_DIR/runs/peer-speculators"
+  cat .qpeer/export_peer-speculators.tgz.part* | tar xzf - -C "$RUN_DIR/runs/peer-speculators" \
+    || exit 1
+  cp .qpeer/peer_report.json "$RUN_DIR/runs/peer-speculators/report.json"
+  quality peereval eval --run peer-speculators --deadline "${PEER_DEADLINE:-540}"
+  NO_EXPORT=1
+  ;;
 multi)
   # ABLATIONS="NAME K=V ...;NAME K=V ...": several ablations side by side on the one GPU (a
   # 3-layer SmolLM2 step leaves the GPU ~25% idle and the evals are launch-bound, so the runs
@@ -228,7 +250,7 @@ multi)
   # inductor cache warm). Each run gets what is left of MULTI_BUDGET (540 s, counted from
   # CALL_START, epoch seconds, when a stage ran before in the same call); one with less than
   # MULTI_MIN (200) s left is not started. The same call again resumes them all. The logs and
-  # reports come back as one multi.tgz (8 files come back), the exports not at all.
+  # reports come back as one multi.tgz (8 files come back), the exports only of EXPORT_RUNS.
   start=${CALL_START:-$(date +%s)}
   IFS=';' read -ra specs <<< "${ABLATIONS:?ABLATIONS=\"NAME KEY=VALUE ...;NAME ...\"}"
   mkdir -p "$OUT/multi"
@@ -264,7 +286,7 @@ multi)
     grep -v "Loading weights" "$OUT/multi/ablate_$name.txt" | tail -n 6
   done
   tar czf "$OUT/multi.tgz" -C "$OUT" multi && rm -rf "$OUT/multi"
-  NO_EXPORT=1
+  [ -n "${EXPORT_RUNS:-}" ] || NO_EXPORT=1  # e.g. EXPORT_RUNS=reference: the one to ship
   ;;
 ablate)
   name=${2:?ablate NAME KEY=VALUE...}
@@ -274,7 +296,7 @@ ablate)
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)
-  echo "unknown stage $stage (one|part|cache|two|more|peer|multi|ablate)"
+  echo "unknown stage $stage (one|part|cache|two|more|peer|peereval|multi|ablate)"
   exit 2
   ;;
 esac

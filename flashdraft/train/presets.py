@@ -100,18 +100,21 @@ def smollm2_135m(
     DFlash drafter for SmolLM2-135M-Instruct on the on-policy data `bench/quality.py` builds
     (chat turns, HumanEval, code mined from installed Python sources), one H200 in at most
     20 minutes. 3 draft layers (SmolLM2 has 30: taps by the default rule), B = 16, A = 512
-    anchors per 8192-token row, the target's argmax as labels, decay gamma 7, AdamW at 6e-4
-    with warmup and cosine decay, 6 epochs; real draft-and-verify evals on 16 held-out
-    prompts (8 chat, 8 HumanEval) every 5000 steps give the tau-vs-tokens curve.
+    anchors per 8192-token row, the target's argmax as labels, decay gamma 7, Muon at 1e-3
+    (AdamW on the norms) with 1% warmup and a linear decay to 0, 6 epochs; real
+    draft-and-verify evals on 16 held-out prompts (8 chat, 8 HumanEval) every 5000 steps give
+    the tau-vs-tokens curve.
 
-    Measured on one H200 (benchmarks/quality_h200_20261201_*.md, 40K prompts): 6 epochs
-    (13,872 steps, ~8 minutes of steps) over 2 raised held-out tau by 27-32% on every kind;
-    A = 2048 over 512 gave 3-5% for 2.3x the step time. Still to set, the same way
-    (`bench/quality.py train --run NAME --set ...`, same data and steps, recorded in
-    benchmarks/): 3 vs 5 draft layers; lr (3e-4, 6e-4, 1.2e-3); exponential decay gamma
-    vs a D-PACE-style position weighting (`loss.weighting = "dpace"`); hard labels (the
-    target's argmax) vs soft ones (KL to the target's top-k distribution at the block
-    positions: `loss.labels = "soft"`). `steps` stops early (default: every epoch)."""
+    Measured on one H200, 40K prompts, same data and steps per comparison
+    (benchmarks/quality_h200_2026120*.md): 6 epochs over 2 raised held-out tau by 27-32% on
+    every kind (AdamW); A = 2048 over 512 gave 3-5% for 2.3x the step time; at 2 epochs Muon
+    (lr 1e-3, linear) over AdamW (6e-4, cosine) +22% chat, +21% HumanEval, +24% mined Python,
+    and D-PACE slot weights over the decay nothing with Muon and -4 to -9% with AdamW
+    (quality_h200_20261202_ablations). Muon at 6 epochs is this preset and not yet measured.
+    Still to set, the same way (`bench/quality.py all --run NAME --set ...`): 3 vs 5 draft
+    layers; Muon's lr (2e-3 trained like 1e-3 to 4,420 steps, not evaluated); hard labels
+    (the target's argmax) vs soft ones (`loss.labels = "soft"`). `steps` stops early
+    (default: every epoch)."""
     return RunConfig(
         output=output,
         seed=0,
@@ -119,7 +122,15 @@ def smollm2_135m(
         data=DataSection(datasets=list(datasets), row_tokens=8192, overlong="split"),
         drafter=DrafterSection(num_layers=3, block_size=16),
         loss=LossSection(anchors=512, gamma=7.0, labels="target"),
-        optim=OptimSection(lr=6e-4, schedule="cosine", warmup_steps=200, epochs=6, max_steps=steps),
+        optim=OptimSection(
+            optimizer="muon",
+            lr=1e-3,
+            schedule="linear",
+            warmup_steps=139,  # 1% of the 13,872 steps of 6 epochs
+            min_lr_ratio=0.0,
+            epochs=6,
+            max_steps=steps,
+        ),
         checkpoint=CheckpointSection(every=500, keep=2),
         log=LogSection(every=20),
         eval=EvalSection(every=5000, prompts=eval_prompts, num_prompts=16, max_new_tokens=128),
