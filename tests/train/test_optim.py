@@ -122,6 +122,22 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest() -> None:
     assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == 5e-4
 
 
+def _twin_steps(
+    ours: list[nn.Parameter],
+    mine: torch.optim.Optimizer,
+    theirs: list[nn.Parameter],
+    other: torch.optim.Optimizer,
+    steps: int,
+) -> None:
+    """`steps` steps of both optimizers on the same random gradients."""
+    for _ in range(steps):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        mine.step()
+        other.step()
+
+
 def test_muon_is_torch_muon_batched_by_shape() -> None:
     """flashdraft's Muon against torch.optim.Muon (match_rms_adamw, Nesterov) over four steps
     on matrices of three shapes, two of one shape (one batch), tall and wide: the same
@@ -134,12 +150,7 @@ def test_muon_is_torch_muon_batched_by_shape() -> None:
     kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1)
     mine = Muon(ours, **kwargs)
     reference = torch.optim.Muon(theirs, adjust_lr_fn="match_rms_adamw", **kwargs)
-    for _ in range(4):
-        for a, b in zip(ours, theirs, strict=True):
-            a.grad = torch.randn_like(a)
-            b.grad = a.grad.clone()
-        mine.step()
-        reference.step()
+    _twin_steps(ours, mine, theirs, reference, 4)
     for a, b in zip(ours, theirs, strict=True):
         assert not torch.equal(a, torch.zeros_like(a))
         torch.testing.assert_close(a, b, rtol=0, atol=2e-4)
@@ -158,12 +169,7 @@ def test_muon_reads_found_inf_and_a_flagged_step_changes_nothing() -> None:
     twins = [nn.Parameter(w.detach().clone()) for w in weights]
     flagged, plain = Muon(weights, lr=0.05), Muon(twins, lr=0.05)
     flagged.found_inf = torch.zeros(())
-    for _ in range(2):
-        for a, b in zip(weights, twins, strict=True):
-            a.grad = torch.randn_like(a)
-            b.grad = a.grad.clone()
-        flagged.step()
-        plain.step()
+    _twin_steps(weights, flagged, twins, plain, 2)
     for a, b in zip(weights, twins, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     before = [w.detach().clone() for w in weights]
