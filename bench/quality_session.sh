@@ -279,13 +279,19 @@ multi)
     timeout $((left + 30)) python3 bench/quality.py all --run "$name" --deadline $((left - 20)) \
       "${sets[@]}" --output "$RUN_DIR" --bench-dir "$OUT/multi" $QUALITY_ARGS \
       > "$OUT/multi/ablate_$name.txt" 2>&1 &
+    pid=$!
     names+=("$name")
     if [ "${#names[@]}" = 1 ] && [ ! -f /tmp/inductor-warm ]; then
       for _ in $(seq "${STAGGER_MAX:-420}"); do
         [ -s "$RUN_DIR/runs/$name/metrics.jsonl" ] && break
+        kill -0 "$pid" 2> /dev/null || break  # it ended (failed?): do not wait for it
         sleep 1
       done
-      echo "== $name: first step after $(($(date +%s) - start)) s"
+      if [ -s "$RUN_DIR/runs/$name/metrics.jsonl" ]; then
+        echo "== $name: first step after $(($(date +%s) - start)) s"
+      else
+        echo "== $name: no first step after $(($(date +%s) - start)) s (ended? its log below)"
+      fi
       touch /tmp/inductor-warm
       # MULTI_SOLO=S: the first run alone S s more, so its metrics hold a solo step time
       sleep "${MULTI_SOLO:-0}"
