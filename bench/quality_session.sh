@@ -289,12 +289,12 @@ multi)
       done
       if [ -s "$RUN_DIR/runs/$name/metrics.jsonl" ]; then
         echo "== $name: first step after $(($(date +%s) - start)) s"
+        touch /tmp/inductor-warm
+        # MULTI_SOLO=S: the first run alone S s more, so its metrics hold a solo step time
+        sleep "${MULTI_SOLO:-0}"
       else
         echo "== $name: no first step after $(($(date +%s) - start)) s (ended? its log below)"
       fi
-      touch /tmp/inductor-warm
-      # MULTI_SOLO=S: the first run alone S s more, so its metrics hold a solo step time
-      sleep "${MULTI_SOLO:-0}"
     fi
   done
   wait
