@@ -59,7 +59,7 @@ from flashdraft.log import get_logger
 from flashdraft.model.attention import default_backend
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.target import LayerTaps
-from flashdraft.train.checkpoint import load_drafter
+from flashdraft.train.checkpoint import load_drafter, rng_state, set_rng_state
 from flashdraft.train.config import RunConfig
 from flashdraft.train.features import device_put, load_run_target
 from flashdraft.train.parallel import init_distributed
@@ -386,9 +386,8 @@ def save_progress(
                 else:
                     plain.setdefault(str(pid), {})[key] = value
         meta["optimizers"].append({"param_groups": state["param_groups"], "plain": plain})
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    meta["rng"], rng = rng_state()  # flashdraft's checkpoint: Python, NumPy, torch CPU + CUDA
+    tensors.update({f"rng.{k}": v for k, v in rng.items()})
     storage.write_tensors(str(folder / "state.safetensors"), tensors)
     storage.write_json_atomic(str(folder / "optim.json"), meta)
     storage.write_json_atomic(str(folder / "progress.json"), progress)
@@ -429,9 +428,7 @@ def load_progress(
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
     for scheduler, saved in zip(schedulers, meta["schedulers"], strict=True):
         scheduler.load_state_dict(saved)
-    torch.set_rng_state(tensors["rng.cpu"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    set_rng_state(meta["rng"], {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")})
     log.info(f"{folder}: resuming after step {progress['step']} ({progress['train_s']} s so far)")
     return progress
 
@@ -475,7 +472,7 @@ def export(model: Any, out: Path, drafter: DrafterConfig) -> dict[str, Any]:
 
 def evaluate(
     config: PeerRecipeConfig, target: str, drafter_dir: Path, device: str
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, dict[str, Any]] | None:
     """Each prompt file through the held-out eval of bench/quality.py's eval stage (a file an
     earlier call evaluated is read back; None when --deadline stopped it before the last)."""
     out: dict[str, dict[str, Any]] = {}

@@ -316,11 +316,11 @@ def tau_ratio_interval(
     mine: dict[str, Any], theirs: dict[str, Any], *, resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float] | None:
     """A 90% paired bootstrap interval of tau(mine) / tau(theirs) over the eval's prompts
-    (both evals ran the same prompts: each resample draws prompts and keeps both runs'
-    results on them); None when the reports do not carry matching per-prompt results. On 8
+    (each resample draws prompts and keeps both runs' results on them); None unless both
+    reports carry per-prompt results for the same prompts (ids, in order). On 8
     prompts one long repetitive answer can move a kind's tau by 20%: the interval says so."""
     a, b = mine.get("per_prompt") or [], theirs.get("per_prompt") or []
-    if not a or len(a) != len(b):
+    if not a or [x.get("id") for x in a] != [y.get("id") for y in b]:
         return None
     pairs = [
         (

@@ -116,14 +116,37 @@ keep_parts() {  # the GGUF parts this call carries, kept outside the repo copy
   true
 }
 
+run_quality() {  # run_quality LOG SECONDS BENCH_DIR ARGS...: bench/quality.py, QUALITY_ARGS last
+  local log=$1 limit=$2 bench=$3
+  shift 3
+  # shellcheck disable=SC2086  # QUALITY_ARGS is a list of flags
+  timeout "$limit" python3 bench/quality.py "$@" --output "$RUN_DIR" --bench-dir "$bench" \
+    $QUALITY_ARGS > "$log" 2>&1
+}
+
 quality() {  # quality NAME ARGS...: one bench/quality.py invocation, its log in $OUT/NAME.txt
   local name=$1
   shift
-  # shellcheck disable=SC2086  # QUALITY_ARGS is a list of flags
-  timeout 585 python3 bench/quality.py "$@" --output "$RUN_DIR" --bench-dir "$OUT" \
-    $QUALITY_ARGS > "$OUT/$name.txt" 2>&1
+  run_quality "$OUT/$name.txt" 585 "$OUT" "$@"
   echo "== $name exit $?"
   grep -v "Loading weights" "$OUT/$name.txt" | tail -n 40
+}
+
+first_step() {  # first_step NAME PID: wait until run NAME logs its first step (or PID ends)
+  local metrics=$RUN_DIR/runs/$1/metrics.jsonl
+  for _ in $(seq "${STAGGER_MAX:-420}"); do
+    [ -s "$metrics" ] && break
+    kill -0 "$2" 2> /dev/null || break  # it ended (failed?): do not wait for it
+    sleep 1
+  done
+  if [ ! -s "$metrics" ]; then
+    echo "== $1: no first step after $(($(date +%s) - start)) s (ended? its log below)"
+    return
+  fi
+  echo "== $1: first step after $(($(date +%s) - start)) s"
+  touch /tmp/inductor-warm
+  # MULTI_SOLO=S: the first run alone S s more, so its metrics hold a solo step time
+  sleep "${MULTI_SOLO:-0}"
 }
 
 collect() {  # the small results of every run, and the export of finished ones
@@ -275,26 +298,11 @@ multi)
       echo "== $name: ${left} s left, not started"
       continue
     fi
-    # shellcheck disable=SC2086  # QUALITY_ARGS is a list of flags
-    timeout $((left + 30)) python3 bench/quality.py all --run "$name" --deadline $((left - 20)) \
-      "${sets[@]}" --output "$RUN_DIR" --bench-dir "$OUT/multi" $QUALITY_ARGS \
-      > "$OUT/multi/ablate_$name.txt" 2>&1 &
-    pid=$!
+    run_quality "$OUT/multi/ablate_$name.txt" $((left + 30)) "$OUT/multi" all --run "$name" \
+      --deadline $((left - 20)) "${sets[@]}" &
     names+=("$name")
     if [ "${#names[@]}" = 1 ] && [ ! -f /tmp/inductor-warm ]; then
-      for _ in $(seq "${STAGGER_MAX:-420}"); do
-        [ -s "$RUN_DIR/runs/$name/metrics.jsonl" ] && break
-        kill -0 "$pid" 2> /dev/null || break  # it ended (failed?): do not wait for it
-        sleep 1
-      done
-      if [ -s "$RUN_DIR/runs/$name/metrics.jsonl" ]; then
-        echo "== $name: first step after $(($(date +%s) - start)) s"
-        touch /tmp/inductor-warm
-        # MULTI_SOLO=S: the first run alone S s more, so its metrics hold a solo step time
-        sleep "${MULTI_SOLO:-0}"
-      else
-        echo "== $name: no first step after $(($(date +%s) - start)) s (ended? its log below)"
-      fi
+      first_step "$name" $!
     fi
   done
   wait

@@ -82,8 +82,7 @@ def target_model(args: argparse.Namespace, device: torch.device):
         attn_implementation="flex_attention" if device.type == "cuda" else "sdpa",
     )
     if getattr(args, "target_attention", "flex") == "varlen":
-        varlen.register()
-        shape["attn_implementation"] = varlen.NAME
+        shape["attn_implementation"] = varlen.implementation("varlen")
     if getattr(args, "geometry", "8b") == "27b-hybrid":
         # transformers has no flex_attention for the hybrid classes: sdpa with the dense
         # document mask, as `flashdraft train` loads them (target.default_attention).

@@ -341,3 +341,5 @@ def test_tau_ratio_interval_is_paired_over_prompts(quality: ModuleType) -> None:
     assert low < 46 / 15 / (46 / 9) < high <= 1.0  # the point ratio, inside; never above 1
     assert low < 0.7 and high == 1.0  # resamples without prompt 3 give exactly 1
     assert report.tau_ratio_interval(mine, ev([1])) is None  # not the same prompts
+    renamed = {"per_prompt": [dict(x, id=f"other{i}") for i, x in enumerate(theirs["per_prompt"])]}
+    assert report.tau_ratio_interval(mine, renamed) is None  # as many, but other prompts

@@ -186,6 +186,16 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
+def implementation(name: str) -> str:
+    """The transformers attention implementation for `target.attn_implementation` = `name`:
+    "varlen" is flashdraft's own, registered first (`register`) and loaded as `NAME`; any
+    other name is transformers' and passes through."""
+    if name != "varlen":
+        return name
+    register()
+    return NAME
+
+
 def refusal(config: Any) -> str | None:
     """Why a target (its text config) cannot take the varlen path, or None."""
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])

@@ -142,9 +142,10 @@ class LossSection:
 class OptimSection:
     optimizer: Literal["adamw", "muon"] = option(
         "adamw",
-        help="adamw | muon: torch's Muon (Newton-Schulz orthogonalised momentum, its update "
-        "scaled to AdamW's RMS so that lr means the same) on the drafter's 2-D weight matrices "
-        "and AdamW on the rest (norms); speculators' DFlash default",
+        help="adamw | muon: Muon (Newton-Schulz orthogonalised momentum, its update scaled to "
+        "AdamW's RMS so that lr means the same; flashdraft's batched one, the same update as "
+        "torch.optim.Muon) on the drafter's 2-D weight matrices and AdamW on the rest (norms); "
+        "speculators' DFlash default",
     )
     muon_momentum: float = option(0.95, ge=0, lt=1, help="muon: Nesterov momentum")
     muon_weight_decay: float = option(0.1, ge=0, help="muon: decoupled weight decay")
@@ -275,7 +276,7 @@ class RunConfig:
         cfg.validate(self)
         if self.optim.optimizer == "muon" and self.parallel.drafter_sharding == "fsdp":
             # Newton-Schulz needs each whole matrix; on FSDP2's shards it would need
-            # collectives inside torch's Muon that no flashdraft test has run.
+            # collectives inside the optimizer that flashdraft's Muon does not have.
             raise cfg.ConfigError(
                 "optim.optimizer",
                 "muon",

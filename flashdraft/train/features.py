@@ -184,12 +184,9 @@ def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -
     sharded = config.parallel.shard_target and plan.info.distributed
     if target_model is None:
         dtype = resolve_dtype(config.target.dtype, device.type)
-        attn = config.target.attn_implementation or default_attention(
-            config.target.path, device.type
+        attn = varlen.implementation(
+            config.target.attn_implementation or default_attention(config.target.path, device.type)
         )
-        if attn == "varlen":  # flashdraft's own: registered with transformers first
-            varlen.register()
-            attn = varlen.NAME
         target_model = load_target(config.target.path, dtype, attn, "cpu" if sharded else device)
         if sharded:
             shard_target(decoder_layers(target_model))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -95,7 +95,7 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
             bufs.append(state["momentum_buffer"])
-        grad = torch.stack([p.grad for p in params if p.grad is not None])  # [n, r, c]
+        grad = torch.stack([cast(Tensor, p.grad) for p in params])  # [n, r, c]; all have one
         buf = torch.stack(bufs)
         if keep is not None:
             # A skipped step moves the momentum towards itself (exactly no change) and keeps
@@ -120,12 +120,17 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_add_(params, list(step.unbind(0)))
 
 
+def members(optimizer: torch.optim.Optimizer | Optimizers) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind `optimizer`: itself, or an `Optimizers`' members."""
+    return list(optimizer) if isinstance(optimizer, Optimizers) else [optimizer]
+
+
 def reads_found_inf(optimizer: torch.optim.Optimizer | Optimizers) -> bool:
     """Whether the optimizer skips a step by GradScaler's `found_inf` flag on the device: the
     fused Adam(W) kernels and flashdraft's Muon do; `Optimizers` when all its members do."""
-    if isinstance(optimizer, Optimizers):
-        return all(reads_found_inf(member) for member in optimizer)
-    return isinstance(optimizer, Muon) or bool(optimizer.defaults.get("fused"))
+    return all(
+        isinstance(one, Muon) or bool(one.defaults.get("fused")) for one in members(optimizer)
+    )
 
 
 class Optimizers:
@@ -136,7 +141,6 @@ class Optimizers:
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizers = optimizers
-        self.defaults: dict[str, Any] = {}
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)
@@ -212,7 +216,7 @@ class FiniteGuard:
         self.clean_steps = torch.zeros((), dtype=torch.int64, device=device)
         self.fused = reads_found_inf(optimizer)
         if self.fused:
-            for member in optimizer if isinstance(optimizer, Optimizers) else [optimizer]:
+            for member in members(optimizer):
                 member.found_inf = self.tripped  # type: ignore[attr-defined]
 
     def observe(self, loss: Tensor, grad_norm: Tensor) -> None:

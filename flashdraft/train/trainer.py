@@ -38,7 +38,7 @@ from flashdraft.train.config import RunConfig
 from flashdraft.train.features import device_put, draft_batch, open_feature_source
 from flashdraft.train.loss import BlockStats, dpace_alpha_of, loss_slot_weights
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.optim import FiniteGuard, build_optimizer
+from flashdraft.train.optim import FiniteGuard, build_optimizer, members
 from flashdraft.train.packing import Row
 from flashdraft.train.parallel import (
     barrier,
@@ -170,9 +170,7 @@ class Trainer:
             f"{self.total_steps} steps of {self.rows_per_step} rows; {self.placement.kind}: {where}",
         ]
         o = config.optim
-        groups = [
-            type(opt).__name__ for opt in getattr(self.optimizer, "optimizers", [self.optimizer])
-        ]
+        groups = [type(opt).__name__ for opt in members(self.optimizer)]
         lines.append(
             f"  optimizer {' + '.join(groups)}, lr {o.lr:g}, {o.schedule} schedule, "
             f"{o.warmup_steps} warmup steps; loss weighting {config.loss.weighting}"
