@@ -37,6 +37,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -658,14 +659,22 @@ def supervise(
     return (run_dir / "export" / "config.json").exists()
 
 
-def _seconds_per_step(run_dir: Path) -> float | None:
-    """`step_s` of the last metrics.jsonl record (None when there is none yet)."""
+def _seconds_per_step(run_dir: Path, last: int = 10) -> float | None:
+    """The median `step_s` of the last `last` metrics.jsonl records without an in-training
+    eval (None when there is none yet). A record's window holds any eval run in it (~30 s
+    over 20 steps: 1.4 s "per step" where steps take 0.05 s), and the first window after a
+    restart holds the compilation; the last record alone stopped a resumed run 415 s early
+    (2026-12-02)."""
     path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    try:
-        return float(json.loads(lines[-1])["step_s"]) if lines else None
-    except (json.JSONDecodeError, KeyError, ValueError):
-        return None
+    times: list[float] = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+            if "eval_tau" not in record:
+                times.append(float(record["step_s"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return statistics.median(times[-last:]) if times else None
 
 
 def _latest_step(run_dir: Path) -> int:

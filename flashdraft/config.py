@@ -367,7 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         choices = meta.get("choices")
         if choices is None and typing.get_origin(inner) is Literal:
             choices = typing.get_args(inner)
-        help_ = meta.get("help", "")
+        help_ = meta.get("help", "").replace("%", "%%")  # argparse formats help with %
         kwargs: dict[str, Any] = {"help": help_, "dest": f.name}
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]

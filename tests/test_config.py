@@ -115,6 +115,20 @@ def test_the_command_line_is_derived_from_the_config() -> None:
     )
 
 
+def test_a_percent_sign_in_a_help_text_reaches_the_help_verbatim() -> None:
+    """argparse formats help strings with %: a field's plain-text "20%" crashed `--help` of
+    bench/quality.py (2026-12-02)."""
+
+    @dataclass
+    class Share:
+        share: float = option(0.2, help="kept 20% of the rows: (a) or (b)")
+
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser, Share)
+    text = parser.format_help()
+    assert "kept 20% of the rows: (a) or (b) (default 0.2)" in " ".join(text.split())
+
+
 def test_settings_collects_the_tagged_fields_of_nested_configs() -> None:
     example = Example(inputs=["a"], output="o")
     assert cfg.settings(example, "record") == {"output": "o", "size": 8, "max_share": 0.1}

@@ -202,6 +202,24 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
         supervise(0, budget=None, code=3)
 
 
+def test_the_time_per_step_ignores_windows_with_an_eval_or_a_restart(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """The deadline's step time: a window that held an in-training eval (1.4 s "per step",
+    as a resumed run logged at its eval step on 2026-12-02) or a restart's compilation must
+    not make the next checkpoint look 20x further off than it is."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert quality._seconds_per_step(run) is None
+    records = [{"step": 20 * i, "step_s": 0.05} for i in range(1, 12)]
+    records[0]["step_s"] = 0.4  # the window after a restart: compilation
+    records.append({"step": 240, "step_s": 1.4352, "eval_tau": 2.8})
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + "{not json\n"
+    )
+    assert quality._seconds_per_step(run) == pytest.approx(0.05)
+
+
 @pytest.mark.slow
 def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     """build-prompts -> generate -> prepare -> train -> eval -> report on the real SmolLM2
