@@ -13,6 +13,7 @@ from flashdraft.train.loss import (
     head_cross_entropy,
     loss_normaliser,
     loss_slot_weights,
+    soft_label_chunk,
 )
 
 
@@ -78,6 +79,28 @@ def test_the_compiled_hard_label_chunk_is_the_eager_one(device, scale, softcap) 
     assert got[2] is not None and want[2] is not None
     torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=1e-3)
     assert compiled(z, labels, coef, scale, softcap, False)[2] is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (1.3, 3.0)])
+def test_the_compiled_soft_label_chunk_is_the_eager_one(device, scale, softcap) -> None:
+    """The same for `soft_label_chunk` (loss.labels = "soft"): one graph, the eager loss,
+    argmax and gradient."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(4)
+    z = (4 * torch.randn(37, 500, generator=gen)).to(device, dtype)
+    ids, probs = _soft(gen, 37, 500, 8, dtype=torch.float32)
+    labels, ids, probs = ids[:, 0].to(device), ids.to(device), probs.to(device, dtype)
+    coef = torch.rand(37, generator=gen).to(device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(soft_label_chunk, backend=backend, fullgraph=True, dynamic=False)
+    want = soft_label_chunk(z, labels, coef, ids, probs, scale, softcap, True)
+    got = compiled(z, labels, coef, ids, probs, scale, softcap, True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[1], want[1])
+    assert got[2] is not None and want[2] is not None
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=1e-3)
+    assert compiled(z, labels, coef, ids, probs, scale, softcap, False)[2] is None
 
 
 def test_loss_is_independent_of_the_micro_batch_split() -> None:
