@@ -69,7 +69,7 @@ from flashdraft.eval.prompts import load_prompts
 from flashdraft.eval.report import write_report
 from flashdraft.eval.speculative import eos_token_ids
 from flashdraft.log import get_logger
-from flashdraft.train.checkpoint import complete_checkpoints, load_drafter
+from flashdraft.train.checkpoint import complete_checkpoints, load_drafter, step_dir
 from flashdraft.train.config import RunConfig
 from flashdraft.train.presets import smollm2_135m
 
@@ -643,7 +643,9 @@ def supervise(
                     (step - last_step) * per_step if per_step is not None else now - last_time
                 )
                 last_step, last_time, timed = step, now, True
-                stop = stop or interval * 1.2 > left
+                # After the last step's checkpoint only the export is left (seconds): a stop
+                # there sent a finished run's export to the next call (2026-12-02, m6)
+                stop = stop or (interval * 1.2 > left and not _is_final(run_dir, step))
             if stop:
                 log.info(f"train: stopped at step {step} for the deadline ({left:.0f} s left)")
                 process.send_signal(signal.SIGTERM)
@@ -675,6 +677,15 @@ def _seconds_per_step(run_dir: Path, last: int = 10) -> float | None:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue
     return statistics.median(times[-last:]) if times else None
+
+
+def _is_final(run_dir: Path, step: int) -> bool:
+    """Whether checkpoint `step` of the run is its last step (its state.json says so)."""
+    try:
+        state = json.loads(Path(step_dir(str(run_dir), step), "state.json").read_text())
+        return int(state["step"]) >= int(state["total_steps"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return False
 
 
 def _latest_step(run_dir: Path) -> int:

@@ -202,6 +202,38 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
         supervise(0, budget=None, code=3)
 
 
+FINAL_TRAIN = """
+import json, pathlib, sys, time
+run = pathlib.Path(sys.argv[1])
+for step in (1, 2):
+    time.sleep(2.0)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "step_s": 2.0}) + "\\n")
+    done = run / "checkpoints" / f"step_{step:08d}"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / "state.json").write_text(json.dumps({"step": step, "total_steps": 2}))
+    (done / "COMPLETE").write_text("")
+time.sleep(0.3)  # the export
+(run / "export").mkdir(exist_ok=True)
+(run / "export" / "config.json").write_text("{}")
+"""
+
+
+def test_the_last_checkpoint_is_not_a_stop_the_export_follows(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """A step takes 2 s and ~1.4 s are left after the last one's checkpoint: another
+    checkpoint would not fit, but there is none to come, only the export (m6, 2026-12-02,
+    stopped 26 s before its deadline with its export unwritten)."""
+    script = tmp_path / "final_train.py"
+    script.write_text(textwrap.dedent(FINAL_TRAIN))
+    run = tmp_path / "run"
+    run.mkdir()
+    command = [sys.executable, str(script), str(run)]
+    assert quality.supervise(command, tmp_path / "log", run, 5.5, margin=0.2) is True
+    assert (run / "export" / "config.json").exists()
+
+
 def test_the_time_per_step_ignores_windows_with_an_eval_or_a_restart(
     quality: ModuleType, tmp_path: Path
 ) -> None:
