@@ -99,29 +99,29 @@ def smollm2_135m(
     """The reference recipe (issue 18, the same run as configs/smollm2-135m.toml): a
     DFlash drafter for SmolLM2-135M-Instruct on the on-policy data `bench/quality.py` builds
     (chat turns, HumanEval, code mined from installed Python sources), one H200 in at most
-    20 minutes. 3 draft layers (SmolLM2 has 30: taps by the default rule), B = 16, A = 512
-    anchors per 8192-token row, the target's argmax as labels, decay gamma 7, Muon at 1e-3
-    (AdamW on the norms) with 1% warmup and a linear decay to 0, 6 epochs; real
-    draft-and-verify evals on 16 held-out prompts (8 chat, 8 HumanEval) every 5000 steps give
-    the tau-vs-tokens curve.
+    20 minutes. 5 draft layers (SmolLM2 has 30: taps [1, 8, 14, 20, 27] by the default rule),
+    B = 16, A = 512 anchors per 8192-token row, soft labels (KL to the target's top-32
+    distribution), decay gamma 7, Muon at 1e-3 (AdamW on the norms) with 1% warmup and a
+    linear decay to 0, 6 epochs; real draft-and-verify evals on 16 held-out prompts (8 chat,
+    8 HumanEval) every 5000 steps give the tau-vs-tokens curve.
 
     Measured on one H200, 40K prompts, same data and steps per comparison
     (benchmarks/quality_h200_2026120*.md): 6 epochs over 2 raised held-out tau by 27-32% on
     every kind (AdamW); A = 2048 over 512 gave 3-5% for 2.3x the step time; at 2 epochs Muon
-    (lr 1e-3, linear) over AdamW (6e-4, cosine) +22% chat, +21% HumanEval, +24% mined Python,
-    and D-PACE slot weights over the decay nothing with Muon and -4 to -9% with AdamW
-    (quality_h200_20261202_ablations). Muon at 6 epochs is this preset and not yet measured.
-    Still to set, the same way (`bench/quality.py all --run NAME --set ...`): 3 vs 5 draft
-    layers; Muon's lr (2e-3 trained like 1e-3 to 4,420 steps, not evaluated); hard labels
-    (the target's argmax) vs soft ones (`loss.labels = "soft"`). `steps` stops early
-    (default: every epoch)."""
+    (lr 1e-3, linear) over AdamW (6e-4, cosine) +22% chat, +21% HumanEval, +24% mined Python;
+    D-PACE slot weights over the decay nothing with Muon and -4 to -9% with AdamW
+    (quality_h200_20261202_ablations); with Muon, 5 layers over 3 +27% / +19% / +25% and
+    soft labels over hard +12% / +1% / +2% (24 prompts per kind, quality_h200_20261202_s11).
+    This combination (5 layers, soft, 6 epochs) is not measured yet: the 3-layer, hard-label
+    Muon run of 6 epochs is (`m6`, the same record). `steps` stops early (default: every
+    epoch)."""
     return RunConfig(
         output=output,
         seed=0,
         target=TargetSection(path=target),
         data=DataSection(datasets=list(datasets), row_tokens=8192, overlong="split"),
-        drafter=DrafterSection(num_layers=3, block_size=16),
-        loss=LossSection(anchors=512, gamma=7.0, labels="target"),
+        drafter=DrafterSection(num_layers=5, block_size=16),
+        loss=LossSection(anchors=512, gamma=7.0, labels="soft", soft_top_k=32),
         optim=OptimSection(
             optimizer="muon",
             lr=1e-3,
