@@ -218,8 +218,9 @@ part)
   exit 0
   ;;
 cache)  # carry [".icache"]: the compile cache an earlier session sent back (collect)
+  # (not marked as sent: `collect` sends it back with what this session's runs add to it)
   mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .icache/inductor.tar.xz.part* | tar xJf - -C /tmp \
-    && touch /tmp/inductor.sent && du -sh "$TORCHINDUCTOR_CACHE_DIR"
+    && du -sh "$TORCHINDUCTOR_CACHE_DIR"
   exit 0
   ;;
 two)
@@ -298,6 +299,9 @@ multi)
       echo "== $name: ${left} s left, not started"
       continue
     fi
+    # MULTI_GPUS="0 1" (the x2 machine): the runs go round-robin over these GPUs
+    read -ra gpus <<< "${MULTI_GPUS:-}"
+    [ "${#gpus[@]}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((${#names[@]} % ${#gpus[@]}))]}
     run_quality "$OUT/multi/ablate_$name.txt" $((left + 30)) "$OUT/multi" all --run "$name" \
       --deadline $((left - 20)) "${sets[@]}" &
     names+=("$name")
@@ -305,6 +309,7 @@ multi)
       first_step "$name" $!
     fi
   done
+  unset CUDA_VISIBLE_DEVICES
   wait
   for name in "${names[@]}"; do
     echo "== $name"
