@@ -21,6 +21,8 @@
 #             dense layer parts, with the phase split (prefill, decode ms per step)
 #   varlen    the same step at R = 4 with the target's attention as varlen flash attention
 #             (target.attn_implementation = "varlen") and as flex (the default), each cold
+#   muon      the same step (R = 1) with fused AdamW and with flashdraft's Muon, each with a
+#             kernel profile (the first cold: ~4 min; the second warm)
 # Wheels for `hybrid`: `bash bench/fla_wheels.sh` (fla-core, einops) into .whl/fla.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -147,12 +149,23 @@ for stage in "$@"; do
         "${shape[@]}" --target-attention "$attention"
     done
     ;;
+  muon)  # the SmolLM2-shaped step with each optimizer, profiled: where Muon's +11 ms go (the
+    # quality runs of 2026-12-02 logged them in the *target* phase: 28 vs 19.5 ms)
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/ic_layers
+    shape=(--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64
+      --target-layers 30 --vocab 49152 --layers 3 --rows 8192 --skip-overlap-off --warmup 3
+      --iters 10 --profile --set target.compile_scope=layers)
+    for optimizer in ${MUON_ORDER:-adamw muon}; do
+      TAIL=40 step "optim_$optimizer" "${MUON_S:-280}" python3 bench/trainer.py "${shape[@]}" \
+        --set optim.optimizer="$optimizer"
+    done
+    ;;
   dense)  # the hybrid's dense stand-in (64 x 5120, full attention everywhere), same rows
     TAIL=40 step trainer_27b_dense "${BENCH_S:-300}" python3 bench/trainer.py \
       --geometry 27b-dense --rows "${ROWS:-8192,16384}" --warmup 2 --iters 6 --skip-overlap-off
     ;;
   *)
-    echo "unknown stage $stage (generate, smol, hybrid, dense, varlen, cold, warm, stacked, gen)"
+    echo "unknown stage $stage (generate, smol, hybrid, dense, varlen, muon, cold, warm, stacked, gen)"
     exit 2
     ;;
   esac
