@@ -68,6 +68,26 @@ def dpace_weights(log_q: Tensor, trained: Tensor, dpace: DPace) -> Tensor:
     return reach.flip(1).cumsum(dim=1).flip(1).reshape(-1)  # sum over j >= k
 
 
+def _chunk_logits(z: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """z = h @ W^T -> the target's logits in fp32 (scale, then softcap), as `TargetHead`."""
+    logits = z.float()
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def _chunk_grad(g: Tensor, logits: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """dL/dlogits -> dL/dz: back through the softcap (d/ds c tanh(s/c) = 1 - tanh^2) and
+    the scale."""
+    if softcap is not None:
+        g = g * (1.0 - (logits / softcap) ** 2)
+    if scale != 1.0:
+        g = g * scale
+    return g
+
+
 def hard_label_chunk(
     z: Tensor, labels: Tensor, coef: Tensor, scale: float, softcap: float | None, grad: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -76,27 +96,18 @@ def hard_label_chunk(
     A pure function of its inputs, so that CUDA runs it compiled (`_HARD_CHUNK`): the fp32
     logits then never exist, one read of z for the reductions and one for the gradient
     (eagerly, ~10 kernels over [n, V] fp32: on a 135M target most of the LM head's time)."""
-    logits = z.float()
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = _chunk_logits(z, scale, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None]).squeeze(1)
     correct = logits.argmax(dim=-1) == labels
     total = (coef * (lse - picked)).sum()
     if not grad:
         return total, correct, None
-    # dCE/dlogits = softmax - onehot, times the row's coefficient, then back through the
-    # softcap (d/ds c*tanh(s/c) = 1 - tanh^2) and the scale.
+    # dCE/dlogits = softmax - onehot, times the row's coefficient, then back to z
     g = torch.exp(logits - lse[:, None])
     columns = torch.arange(g.shape[1], device=g.device)
     g = torch.where(columns[None, :] == labels[:, None], g - 1.0, g) * coef[:, None]
-    if softcap is not None:
-        g = g * (1.0 - (logits / softcap) ** 2)
-    if scale != 1.0:
-        g = g * scale
-    return total, correct, g.to(z.dtype)
+    return total, correct, _chunk_grad(g, logits, scale, softcap).to(z.dtype)
 
 
 def soft_label_chunk(
@@ -115,11 +126,7 @@ def soft_label_chunk(
     `labels` (the target's argmax) only count `correct`. Compiled on CUDA as the hard chunk
     is: eagerly its ~12 kernels over [n, V] fp32 made the 3-layer SmolLM2 drafter's step
     1.9x the hard-label one (2026-12-02, soft2)."""
-    logits = z.float()
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = _chunk_logits(z, scale, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     correct = logits.argmax(dim=-1) == labels
     p = p.float()
@@ -130,11 +137,7 @@ def soft_label_chunk(
         return total, correct, None
     g = torch.exp(logits - lse[:, None]) * mass[:, None]
     g = g.scatter_add(1, ids, -p) * coef[:, None]
-    if softcap is not None:
-        g = g * (1.0 - (logits / softcap) ** 2)
-    if scale != 1.0:
-        g = g * scale
-    return total, correct, g.to(z.dtype)
+    return total, correct, _chunk_grad(g, logits, scale, softcap).to(z.dtype)
 
 
 # Compiled once at module scope (STYLE); one graph per chunk shape (a run has two: the chunk
