@@ -495,13 +495,15 @@ class Pipeline:
         export = self.run_dir / "export"
         train = self.marker(f"train-{self.config.run}")
         loaded: tuple[Any, Any] | None = None
-        held_out = self.out / "prompts" / "held_out"
+        held_out = {
+            kind: self.held_out_subset(kind)
+            for kind in {*self.config.eval_kinds, *self.config.eval_sampled_kinds}
+        }
         passes = [
-            EvalPass(kind, held_out / f"{kind}.jsonl", 0.0, held_out=True)
-            for kind in self.config.eval_kinds
+            EvalPass(kind, held_out[kind], 0.0, held_out=True) for kind in self.config.eval_kinds
         ]
         passes += [
-            EvalPass(f"{kind}_t1", held_out / f"{kind}.jsonl", 1.0, held_out=True)
+            EvalPass(f"{kind}_t1", held_out[kind], 1.0, held_out=True)
             for kind in self.config.eval_sampled_kinds
         ]
         for kind in self.config.eval_trained_kinds:
@@ -513,6 +515,7 @@ class Pipeline:
             report_path = self.run_dir / "eval" / f"{name}.json"
             settings = {
                 "prompts": self.config.eval_prompts,
+                "selection": "spread over sources",  # was: the file's first N (2026-12-02)
                 "max_new_tokens": self.config.eval_max_new_tokens,
                 "train": _digest(train),
             }
@@ -536,6 +539,7 @@ class Pipeline:
                 loaded = load_eval_target(config)
             model, tokenizer = loaded
             report = run_eval(config, model, tokenizer, load_drafter(str(export)))
+            add_sources(report, one.prompts)  # the bootstrap resamples whole sources
             # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample),
             # on 4 prompts: exact agreement needs no more, and both loops are eager there
             parity = None
@@ -554,6 +558,16 @@ class Pipeline:
             log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
             self.save_marker(f"eval-{self.config.run}-{name}", settings)
         return True
+
+    def held_out_subset(self, kind: str) -> Path:
+        """The --eval-prompts held-out prompts of `kind`, spread over their sources (written
+        once): the held-out file lists a conversation's turns together, so its first 24
+        chat prompts came from 8 conversations (of 30), 9 of them from one."""
+        source = self.out / "prompts" / "held_out" / f"{kind}.jsonl"
+        out = self.out / "prompts" / "eval" / f"{kind}_{self.config.eval_prompts}.jsonl"
+        if not out.exists():
+            write_spread_subset(source, out, self.config.eval_prompts)
+        return out
 
     def trained_prompts(self, kind: str) -> Path | None:
         """The first --eval-prompts prompts of `kind` that the greedy pass answered (so the
@@ -581,6 +595,38 @@ def write_mixed_eval(chat: Path, code: Path, out: Path) -> None:
     `eval.num_prompts`, half of each kind."""
     pairs = zip(chat.read_text().splitlines(), code.read_text().splitlines(), strict=False)
     storage.write_text_atomic(str(out), "".join(f"{a}\n{b}\n" for a, b in pairs))
+
+
+def write_spread_subset(source: Path, out: Path, n: int) -> None:
+    """`n` records of `source` taken round-robin over their `source` field, in file order
+    within each (the first record of every source, then the second, ...), kept in that
+    order; records without one count as their own source."""
+    by_source: dict[str, list[str]] = {}
+    with open(source) as f:
+        for index, line in enumerate(f):
+            if line.strip():
+                key = json.loads(line).get("source") or f"#{index}"
+                by_source.setdefault(key, []).append(line if line.endswith("\n") else line + "\n")
+    picked: list[str] = []
+    depth = 0
+    while len(picked) < n and any(len(lines) > depth for lines in by_source.values()):
+        picked += [lines[depth] for lines in by_source.values() if len(lines) > depth]
+        depth += 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    storage.write_text_atomic(str(out), "".join(picked[:n]))
+
+
+def add_sources(report: dict[str, Any], prompts: Path) -> None:
+    """Each per-prompt result of `report` gets its prompt record's `source` (matched by id)."""
+    sources = {}
+    with open(prompts) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                sources[str(record.get("id"))] = record.get("source")
+    for result in report.get("per_prompt") or []:
+        if sources.get(result.get("id")) is not None:
+            result["source"] = sources[result["id"]]
 
 
 def write_prompt_subset(source: Path, out: Path, n: int, id_suffix: str) -> None:

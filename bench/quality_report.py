@@ -318,27 +318,29 @@ def tau_ratio_interval(
     """A 90% paired bootstrap interval of tau(mine) / tau(theirs) over the eval's prompts
     (each resample draws prompts and keeps both runs' results on them); None unless both
     reports carry per-prompt results for the same prompts (ids, in order). On 8
-    prompts one long repetitive answer can move a kind's tau by 20%: the interval says so."""
+    prompts one long repetitive answer can move a kind's tau by 20%: the interval says so.
+    Prompts that name their `source` (a conversation's turns, a file's functions) are drawn
+    by whole source: turns of one conversation are not independent draws."""
     a, b = mine.get("per_prompt") or [], theirs.get("per_prompt") or []
     if not a or [x.get("id") for x in a] != [y.get("id") for y in b]:
         return None
-    pairs = [
-        (
-            sum(x["acceptance_lengths"]),
-            len(x["acceptance_lengths"]),
-            sum(y["acceptance_lengths"]),
-            len(y["acceptance_lengths"]),
-        )
-        for x, y in zip(a, b, strict=True)
-    ]
+    clusters: dict[str, list[float]] = {}
+    for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        key = str(x.get("source") or y.get("source") or f"#{index}")
+        sums = clusters.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        sums[0] += sum(x["acceptance_lengths"])
+        sums[1] += len(x["acceptance_lengths"])
+        sums[2] += sum(y["acceptance_lengths"])
+        sums[3] += len(y["acceptance_lengths"])
+    groups = list(clusters.values())
     rng = random.Random(seed)
     ratios = []
     for _ in range(resamples):
-        draw = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        steps_a, steps_b = sum(p[1] for p in draw), sum(p[3] for p in draw)
+        draw = [groups[rng.randrange(len(groups))] for _ in groups]
+        steps_a, steps_b = sum(g[1] for g in draw), sum(g[3] for g in draw)
         if steps_a == 0 or steps_b == 0:
             continue
-        tau_a, tau_b = sum(p[0] for p in draw) / steps_a, sum(p[2] for p in draw) / steps_b
+        tau_a, tau_b = sum(g[0] for g in draw) / steps_a, sum(g[2] for g in draw) / steps_b
         if tau_b > 0:
             ratios.append(tau_a / tau_b)
     if not ratios:

@@ -393,3 +393,51 @@ def test_tau_ratio_interval_is_paired_over_prompts(quality: ModuleType) -> None:
     assert report.tau_ratio_interval(mine, ev([1])) is None  # not the same prompts
     renamed = {"per_prompt": [dict(x, id=f"other{i}") for i, x in enumerate(theirs["per_prompt"])]}
     assert report.tau_ratio_interval(mine, renamed) is None  # as many, but other prompts
+
+
+def test_the_interval_draws_whole_sources(quality: ModuleType) -> None:
+    """Prompts from one conversation move together: ten turns of one conversation that all
+    favour `mine` count as one draw, so the interval widens against ten independent ones."""
+    report = sys.modules["quality_report"]
+
+    def ev(lengths: list[list[int]], sources: list[str] | None) -> dict:
+        return {
+            "per_prompt": [
+                {
+                    "id": str(i),
+                    "acceptance_lengths": x,
+                    **({"source": sources[i]} if sources else {}),
+                }
+                for i, x in enumerate(lengths)
+            ]
+        }
+
+    mine = [[4, 4]] * 10 + [[2, 2]] * 10
+    theirs = [[2, 2]] * 10 + [[2, 2]] * 10
+    independent = report.tau_ratio_interval(ev(mine, None), ev(theirs, None))
+    one_conversation = ["a"] * 10 + [f"b{i}" for i in range(10)]
+    clustered = report.tau_ratio_interval(ev(mine, one_conversation), ev(theirs, None))
+    assert independent is not None and clustered is not None
+    assert clustered[1] - clustered[0] > independent[1] - independent[0]
+    assert clustered[0] == 1.0  # a resample without conversation "a" is level
+
+
+def test_held_out_eval_prompts_are_spread_over_sources(quality: ModuleType, tmp_path: Path) -> None:
+    """The eval subset takes every source's first prompt before any second one, in file
+    order, and the reports learn each prompt's source."""
+    lines = [
+        {"id": f"{src}@{turn}", "source": src, "messages": []}
+        for src, turns in (("a", 3), ("b", 1), ("c", 2))
+        for turn in range(turns)
+    ]
+    source = tmp_path / "held_out.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "eval" / "chat_4.jsonl"
+    quality.write_spread_subset(source, out, 4)
+    picked = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert picked == ["a@0", "b@0", "c@0", "a@1"]
+    quality.write_spread_subset(source, out, 50)  # fewer than asked: all of them, spread
+    assert len(out.read_text().splitlines()) == 6
+    report = {"per_prompt": [{"id": "c@1"}, {"id": "zzz"}]}
+    quality.add_sources(report, source)
+    assert report["per_prompt"] == [{"id": "c@1", "source": "c"}, {"id": "zzz"}]
