@@ -95,6 +95,12 @@
 # .qfull/): .qcarry is 17.8 MB, so `one` carries .whl/min, .qcarry and .gguf/partaa of
 # `head -c 44000000`, and the next call .gguf/partab (the rest) and .icache (the compile
 # cache this session's call 2 sent back, 7.8 MB): `cache` before `two`.
+#
+# 2026-12-02, eleventh session (benchmarks/quality_h200_20261202_s11.md): one (80 s), then three
+# multi calls (cache first in call 2; peereval beside call 3's multi) and a 2 s call that sent
+# m6's last checkpoint back: 28 device-minutes. Export QUALITY_ARGS *before* `TWO_STAGES=prepare
+# two` (it refused with the default --samples 1; each multi run prepares its data anyway).
+# On the x2 machine, MULTI_GPUS="0 1" puts the runs round-robin on the two GPUs.
 set -u
 stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
