@@ -42,3 +42,20 @@ def test_the_trainer_bench_times_the_first_steps() -> None:
 def test_the_prefill_profile_runs_on_cpu() -> None:
     stdout = run("bench/prefill_profile.py", "--smoke")
     assert "prefill of 3 x 20 tokens" in stdout and "aten::" in stdout
+
+
+def test_the_device_session_scripts_parse_and_refuse_an_unknown_stage(tmp_path: Path) -> None:
+    """A shell syntax error in a session script costs a device call: `bash -n` here, and an
+    unknown stage ends with exit 2 and the list of stages, before any work."""
+    scripts = sorted((ROOT / "bench").glob("*.sh"))
+    assert {"quality_session.sh", "checks_session.sh"} <= {p.name for p in scripts}
+    for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True, timeout=60)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
+    for script, expect in (("quality_session.sh", "multi"), ("checks_session.sh", "muon")):
+        done = subprocess.run(
+            ["bash", str(ROOT / "bench" / script), "nope"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, (script, done.stdout, done.stderr)
+        assert "unknown stage nope" in done.stdout and expect in done.stdout
