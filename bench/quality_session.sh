@@ -294,6 +294,7 @@ multi)
   IFS=';' read -ra specs <<< "${ABLATIONS:?ABLATIONS=\"NAME KEY=VALUE ...;NAME ...\"}"
   mkdir -p "$OUT/multi"
   names=()
+  read -ra gpus <<< "${MULTI_GPUS:-}"  # e.g. "0 1" (the x2 machine): runs round-robin on them
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
@@ -305,8 +306,6 @@ multi)
       echo "== $name: ${left} s left, not started"
       continue
     fi
-    # MULTI_GPUS="0 1" (the x2 machine): the runs go round-robin over these GPUs
-    read -ra gpus <<< "${MULTI_GPUS:-}"
     [ "${#gpus[@]}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((${#names[@]} % ${#gpus[@]}))]}
     run_quality "$OUT/multi/ablate_$name.txt" $((left + 30)) "$OUT/multi" all --run "$name" \
       --deadline $((left - 20)) "${sets[@]}" &

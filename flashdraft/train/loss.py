@@ -171,60 +171,29 @@ class _ChunkedHeadCE(torch.autograd.Function):
         w = weight.to(hidden.dtype)
         if dpace is not None:  # whole blocks per chunk: W runs along the block
             chunk_rows = max(dpace.span, chunk_rows // dpace.span * dpace.span)
-        hard = soft_ids is None and dpace is None
-        soft = soft_ids is not None and soft_probs is not None and dpace is None
+        soft = soft_ids is not None and soft_probs is not None
         chunk = _HARD_CHUNK if hidden.is_cuda else hard_label_chunk
         soft_chunk = _SOFT_CHUNK if hidden.is_cuda else soft_label_chunk
+        scale, softcap = head.logit_scale, head.softcap
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
             y, c = labels[rows], coef[rows]
-            if hard or soft:  # one fused pass per chunk (see `hard_label_chunk`)
-                z = hidden[rows] @ w.T
-                if soft:
-                    assert soft_ids is not None and soft_probs is not None
-                    part, correct[rows], g_z = soft_chunk(
-                        z, y, c, soft_ids[rows], soft_probs[rows], head.logit_scale,
-                        head.softcap, grad is not None,
-                    )  # fmt: skip
-                else:
-                    part, correct[rows], g_z = chunk(
-                        z, y, c, head.logit_scale, head.softcap, grad is not None
-                    )
-                total += part
-                if grad is not None and g_z is not None:
-                    grad[rows] = g_z @ w
-                continue
-            logits = head.transform((hidden[rows] @ w.T).float())
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, y[:, None]).squeeze(1)
-            correct[rows] = logits.argmax(dim=-1) == y
-            if dpace is not None:
-                row_w[rows] = dpace_weights(picked - lse, c > 0, dpace)
+            z = hidden[rows] @ w.T
+            if dpace is not None:  # W from the drafter's log q of the hard label, a constant
+                logits = _chunk_logits(z, scale, softcap)
+                log_q = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+                row_w[rows] = dpace_weights(log_q, c > 0, dpace)
                 c = c * row_w[rows]
-            if soft_ids is None or soft_probs is None:
-                total += (c * (lse - picked)).sum()
-            else:  # KL(p || q) = sum_j p_j log p_j - sum_j p_j logit_j + sum(p) lse
-                ids, p = soft_ids[rows], soft_probs[rows].to(logits.dtype)
-                mass = p.sum(dim=-1)
-                cross = mass * lse - (p * logits.gather(1, ids)).sum(dim=-1)
-                total += (c * (cross + torch.special.xlogy(p, p).sum(dim=-1))).sum()
-            if grad is None:
-                continue
-            # dKL/dlogits = sum(p) softmax - p (one-hot p: softmax - onehot), times the
-            # row's coefficient ...
-            g = torch.exp(logits - lse[:, None])
-            if soft_ids is None or soft_probs is None:
-                g[torch.arange(len(y), device=y.device), y] -= 1.0
+            if soft:  # one fused pass per chunk (see `hard_label_chunk`)
+                assert soft_ids is not None and soft_probs is not None
+                part, correct[rows], g_z = soft_chunk(
+                    z, y, c, soft_ids[rows], soft_probs[rows], scale, softcap, grad is not None
+                )
             else:
-                g *= mass[:, None]
-                g.scatter_add_(1, ids, -p)
-            g *= c[:, None]
-            # ... then back through softcap (d/ds c*tanh(s/c) = 1 - tanh^2) and the scale.
-            if head.softcap is not None:
-                g *= 1.0 - (logits / head.softcap) ** 2
-            if head.logit_scale != 1.0:
-                g *= head.logit_scale
-            grad[rows] = g.to(w.dtype) @ w
+                part, correct[rows], g_z = chunk(z, y, c, scale, softcap, grad is not None)
+            total += part
+            if grad is not None and g_z is not None:
+                grad[rows] = g_z @ w
         ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
         ctx.mark_non_differentiable(correct, row_w)
         return total, correct, row_w

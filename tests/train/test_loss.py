@@ -9,6 +9,7 @@ from flashdraft.train.loss import (
     BlockStats,
     DPace,
     block_loss,
+    dpace_weights,
     hard_label_chunk,
     head_cross_entropy,
     loss_normaliser,
@@ -315,6 +316,38 @@ def test_dpace_equals_its_dense_definition(alpha, chunk_rows) -> None:
         trained = m[..., 1:]
         left = trained.flip(-1).cumsum(-1).flip(-1)
         torch.testing.assert_close(stats.weight, (trained * left).sum())
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 7, 64])
+def test_dpace_with_soft_labels_is_the_weighted_dense_kl(chunk_rows) -> None:
+    """D-PACE weights (from log q of the hard label, held fixed) on the soft-label KL: the
+    same fused chunk as without D-PACE, fed coef x W."""
+    config = tiny_config()
+    head = tiny_head(config)
+    head.weight = head.weight.double()
+    gen = torch.Generator().manual_seed(6)
+    span, blocks = 3, 5
+    hidden = torch.randn(span * blocks, config.hidden_size, generator=gen, dtype=torch.float64)
+    soft_ids, soft_probs = _soft(gen, span * blocks, config.vocab_size, 4)
+    labels = soft_ids[:, 0]
+    coef = torch.rand(span * blocks, generator=gen, dtype=torch.float64)
+    coef[4] = 0  # an untrained slot inside a block
+    dpace = DPace(0.5, span)
+
+    h1 = hidden.clone().requires_grad_()
+    loss, _, w = head_cross_entropy(
+        h1, head, labels, coef, chunk_rows, dpace=dpace, soft=(soft_ids, soft_probs)
+    )
+    (g1,) = torch.autograd.grad(loss, h1)
+    log_q = torch.log_softmax(head.logits(hidden).float(), -1).gather(1, labels[:, None])[:, 0]
+    want_w = dpace_weights(log_q, coef > 0, dpace)
+    assert w is not None
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+    h2 = hidden.clone().requires_grad_()
+    ref = _reference_kl(h2, head, soft_ids, soft_probs, coef * want_w.double())
+    (g2,) = torch.autograd.grad(ref, h2)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-7)
 
 
 def test_dpace_weights_follow_the_drafters_confidence() -> None:
