@@ -84,7 +84,13 @@ def collect(out: Path, run: str) -> dict[str, Any]:
 def _tau(report: dict[str, Any] | None) -> str:
     if report is None or report.get("tau") is None:
         return "not measured"
-    return f"{report['tau']:.3f} ({report['num_prompts']} prompts)"
+    text = f"{report['tau']:.3f} ({report['num_prompts']} prompts"
+    if report.get("loop_prompts"):  # the target's own repetition loops lift tau
+        rest = report.get("tau_without_loops")
+        text += f"; {report['loop_prompts']} end in a loop, " + (
+            f"{rest:.3f} without them" if rest is not None else "no others"
+        )
+    return text + ")"
 
 
 def _tokens(n: float) -> str:

@@ -12,6 +12,7 @@ from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.eval.report import (
     account_lossless,
     diagnose_mismatch,
+    ends_in_loop,
     first_mismatch,
     format_summary,
     plot_acceptance,
@@ -55,6 +56,38 @@ def test_summary_accounting() -> None:
     assert empty["tau"] is None and empty["per_position_acceptance"] == [0.0, 0.0, 0.0]
     assert plot_acceptance(report)[:8] == PNG
     assert plot_acceptance(empty)[:8] == PNG  # no steps: still a plot
+
+
+@pytest.mark.parametrize(
+    ("ids", "loops"),
+    [
+        ([5] * 128, True),  # "no no no ..."
+        (list(range(20)) + [7, 8, 9] * 43, True),  # a period of 3 after an answer
+        (list(range(100)) + list(range(32)) * 4, True),  # the longest period counted: 32
+        (list(range(100)) + list(range(33)) * 4, False),  # 33: too long
+        ([5] * 127, False),  # too short to tell
+        ([5] * 127 + [6], False),  # the loop broken at the end (e.g. by end of turn)
+        (list(range(300)), False),
+    ],
+)
+def test_ends_in_loop(ids: list[int], loops: bool) -> None:
+    assert ends_in_loop(ids) is loops
+
+
+def test_tau_without_the_prompts_that_end_in_a_loop() -> None:
+    looping = DecodeResult([1, 2] + [9] * 200, [15] * 13 + [6], 3, 0.0, 0.0, False)
+    report = summarize([_result([4, 1, 2, 4]), looping, _result([1, 3])], block_size=16)
+    assert report["loop_prompts"] == 1
+    assert report["tau_without_loops"] == pytest.approx(15 / 6)  # the other two prompts' steps
+    assert report["tau"] == pytest.approx((15 + 201) / 20)
+    assert summarize([looping], block_size=16)["tau_without_loops"] is None
+    assert summarize([_result([2])], block_size=4)["loop_prompts"] == 0
+    entry = prompt_entry(EvalPrompt("p", [1, 2, 3]), looping, None, None, 0.0)
+    assert entry["ends_in_loop"] is True
+    report["settings"] = {"block_size": 16, "temperature": 0.0}
+    assert format_summary(report).splitlines()[3] == (
+        "1 of 3 outputs end in a repetition loop (easy to draft): tau without them 2.500"
+    )
 
 
 def test_first_mismatch() -> None:
