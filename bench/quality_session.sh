@@ -101,6 +101,11 @@
 # m6's last checkpoint back: 28 device-minutes. Export QUALITY_ARGS *before* `TWO_STAGES=prepare
 # two` (it refused with the default --samples 1; each multi run prepares its data anyway).
 # On the x2 machine, MULTI_GPUS="0 1" puts the runs round-robin on the two GPUs.
+#
+# 2026-12-02, twelfth session (benchmarks/quality_h200_20261202_s12.md, one H200): one (+ the
+# soft-label GPU test), then `cache`, `TWO_STAGES=prepare two` and MULTI_BUDGET=560
+# ABLATIONS="ref6" multi in call 2 (CALL_START exported first), the same multi in calls 3-4:
+# the preset's 13,879 steps (62.9 ms each) + export + evals in 29 device-minutes.
 set -u
 stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}

@@ -112,8 +112,10 @@ def smollm2_135m(
     D-PACE slot weights over the decay nothing with Muon and -4 to -9% with AdamW
     (quality_h200_20261202_ablations); with Muon, 5 layers over 3 +27% / +19% / +25% and
     soft labels over hard +12% / +1% / +2% (24 prompts per kind, quality_h200_20261202_s11).
-    This combination (5 layers, soft, 6 epochs) is not measured yet: the 3-layer, hard-label
-    Muon run of 6 epochs is (`m6`, the same record). `steps` stops early (default: every
+    This combination at 6 epochs (`ref6`, quality_h200_20261202_s12, the shipped drafter):
+    held-out tau 7.67 chat, 3.50 HumanEval, 4.30 mined Python, decode speedup 4.86x / 2.11x /
+    2.67x; +7% / +18% / +14% over the 3-layer hard-label Muon run of 6 epochs (`m6`) on the
+    same prompts; 62.9 ms a step, ~17 GPU-minutes. `steps` stops early (default: every
     epoch)."""
     return RunConfig(
         output=output,
