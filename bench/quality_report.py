@@ -86,9 +86,9 @@ def _tau(report: dict[str, Any] | None) -> str:
         return "not measured"
     text = f"{report['tau']:.3f} ({report['num_prompts']} prompts"
     if report.get("loop_prompts"):  # the target's own repetition loops lift tau
-        rest = report.get("tau_without_loops")
-        text += f"; {report['loop_prompts']} end in a loop, " + (
-            f"{rest:.3f} without them" if rest is not None else "no others"
+        before = report.get("tau_before_loops")
+        text += f"; {report['loop_prompts']} end in a loop: " + (
+            f"{before:.3f} before the loops" if before is not None else "no steps before them"
         )
     return text + ")"
 

@@ -62,7 +62,7 @@ def _synthetic_run(out: Path) -> None:
     (run / "eval" / "chat.json").write_text(
         json.dumps(_eval_report(2.5, [0.6, 0.4, 0.2], speedup=1.8, zlab_reference=zlab))
     )
-    looped = {**_eval_report(3.75, [0.8] * 15), "loop_prompts": 3, "tau_without_loops": 2.9}
+    looped = {**_eval_report(3.75, [0.8] * 15), "loop_prompts": 3, "tau_before_loops": 2.9}
     (run / "eval" / "humaneval.json").write_text(json.dumps(looped))
     (run / "eval" / "chat_t1.json").write_text(json.dumps(_eval_report(1.4, [0.3, 0.1])))
     (run / "eval" / "chat_trained.json").write_text(json.dumps(_eval_report(4.6, [0.7, 0.5])))
@@ -94,7 +94,8 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert "| tau, chat | 2.500 (8 prompts) | ≥ 3.0 |" in text
     # the target's own repetition loops are counted and tau is also given without them
     assert (
-        "| tau, code: HumanEval | 3.750 (8 prompts; 3 end in a loop, 2.900 without them) |" in text
+        "| tau, code: HumanEval | 3.750 (8 prompts; 3 end in a loop: 2.900 before the loops) |"
+        in text
     )
     assert "| tau, code: mined Python | not measured | — |" in text
     assert "chat 1.80x, humaneval n/a (CPU)" in text

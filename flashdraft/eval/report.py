@@ -18,12 +18,14 @@ The report holds:
   an error, when every token stays within `settings.tie_tolerance` of the top. The report counts
   `lossless_prompts` (identical), `near_tie_prompts` and `unexplained_mismatch_prompts`;
   `lossless_up_to_ties` is true when nothing is unexplained (anything unexplained is a bug);
-* `loop_prompts`: how many outputs end in a repetition loop (`ends_in_loop`: their last
-  `LOOP_TAIL` tokens repeat with a period of at most `LOOP_PERIOD`; each prompt's entry says
-  so too), and `tau_without_loops` over the other prompts' steps. A small target's greedy
-  decoding often ends in "no no no ..." for the rest of its budget, which any drafter
-  accepts whole: such prompts lift `tau` far above what the drafter does on text that stays
-  on topic (SmolLM2-135M, 24 held-out chat prompts: 17 loop; tau 7.9 over all, 2.9 without);
+* `loop_prompts`: how many outputs end in a repetition loop (each entry's `loop_start`: the
+  first output index from which the rest repeats with a period of at most `LOOP_PERIOD`,
+  when that rest is at least `LOOP_TAIL` tokens long; None: no loop), and
+  `tau_before_loops`: tau over the verify steps that end before their prompt's loop starts
+  (every step of a prompt without one). A small target's greedy decoding often falls into
+  "no no no ..." for the rest of its budget, which any drafter accepts whole: such outputs
+  lift `tau` far above what the drafter does on text that stays on topic (SmolLM2-135M, 24
+  held-out chat prompts: 17 loop; tau 7.9 over everything, 2.5 before the loops);
 * `speedup` (CUDA only): decode time per output token with B = 1 over that with B, on the
   same prompts, prefill excluded; `loops` says how each of the two loops ran (`decoder`:
   static caches or HF's; `graphs`, `compiled`, `batch_size`), as a speedup means little
@@ -51,9 +53,9 @@ from flashdraft.eval.speculative import DecodeResult
 # layers; float32 is ~65,000x finer.
 TIE_TOLERANCE = {torch.bfloat16: 0.5, torch.float16: 0.1, torch.float32: 1e-3}
 
-# An output "ends in a loop" when its last LOOP_TAIL tokens repeat with a period of at most
-# LOOP_PERIOD tokens (at least four times over): "no no no ...", a sentence said again and
-# again. Shorter outputs are never counted.
+# An output "ends in a loop" when it repeats with a period of at most LOOP_PERIOD tokens from
+# some index to its end and that repeating tail holds at least LOOP_TAIL tokens (four periods
+# or more): "no no no ...", a sentence said again and again. Shorter tails never count.
 LOOP_TAIL = 128
 LOOP_PERIOD = 32
 
@@ -75,10 +77,8 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict[str, Any
         at_least[k] / at_least[k - 1] if at_least[k - 1] else 0.0 for k in range(1, block_size)
     ]
     output_tokens = sum(len(r.output_ids) for r in results)
-    loops = [ends_in_loop(r.output_ids) for r in results]
-    rest = [
-        n for r, loop in zip(results, loops, strict=True) if not loop for n in r.acceptance_lengths
-    ]
+    starts = [loop_start(r.output_ids) for r in results]
+    before = [n for r, start in zip(results, starts, strict=True) for n in steps_before(r, start)]
     return {
         "tau": sum(lengths) / steps if steps else None,
         "acceptance_histogram": histogram,
@@ -91,18 +91,40 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict[str, Any
         "mean_accepted_drafts": (sum(lengths) / steps - 1) if steps else None,
         "median_acceptance_length": statistics.median(lengths) if steps else None,
         "prompt_tau_mean": _mean([r.tau for r in results if r.tau is not None]),
-        "loop_prompts": sum(loops),
-        "tau_without_loops": sum(rest) / len(rest) if rest else None,
+        "loop_prompts": sum(start is not None for start in starts),
+        "tau_before_loops": sum(before) / len(before) if before else None,
     }
 
 
-def ends_in_loop(ids: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD) -> bool:
-    """Whether the last `tail` tokens of `ids` repeat with a period of at most `max_period`
-    (False for outputs shorter than `tail`)."""
-    if len(ids) < tail:
-        return False
-    last = list(ids[-tail:])
-    return any(last[period:] == last[:-period] for period in range(1, max_period + 1))
+def loop_start(
+    ids: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD
+) -> int | None:
+    """The first index of `ids` from which the rest repeats with a period of at most
+    `max_period` (its first period included), if that rest holds at least `tail` tokens;
+    None when the output does not end in such a loop."""
+    earliest = None
+    for period in range(1, max_period + 1):
+        j = len(ids)  # ids[k] == ids[k - period] for every k >= j
+        while j > period and ids[j - 1] == ids[j - 1 - period]:
+            j -= 1
+        start = j - period
+        if len(ids) - start >= tail and (earliest is None or start < earliest):
+            earliest = start
+    return earliest
+
+
+def steps_before(result: DecodeResult, start: int | None) -> list[int]:
+    """The acceptance lengths of the verify steps whose tokens all come before output index
+    `start` (the prefill emits index 0; None: every step)."""
+    if start is None:
+        return list(result.acceptance_lengths)
+    kept, end = [], 1
+    for n in result.acceptance_lengths:
+        end += n
+        if end > start:
+            break
+        kept.append(n)
+    return kept
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -136,7 +158,7 @@ def prompt_entry(
         "output_ids": result.output_ids,
         "text": tokenizer.decode(result.output_ids) if tokenizer is not None else None,
         "stopped_at_eos": result.stopped_at_eos,
-        "ends_in_loop": ends_in_loop(result.output_ids),
+        "loop_start": loop_start(result.output_ids),
         "prefill_s": round(result.prefill_s, 6),
         "decode_s": round(result.decode_s, 6),
     }
@@ -320,11 +342,11 @@ def format_summary(report: dict[str, Any]) -> str:
         + " ".join(f"{x:.2f}" for x in report["per_position_acceptance"]),
     ]
     if report.get("loop_prompts"):
-        rest = report["tau_without_loops"]
+        before = report["tau_before_loops"]
         lines.append(
             f"{report['loop_prompts']} of {report['num_prompts']} outputs end in a repetition "
-            f"loop (easy to draft): tau without them "
-            + (f"{rest:.3f}" if rest is not None else "n/a")
+            f"loop (easy to draft): tau before the loops "
+            + (f"{before:.3f}" if before is not None else "n/a")
         )
     if "lossless" in report:
         line = (

@@ -12,13 +12,14 @@ from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.eval.report import (
     account_lossless,
     diagnose_mismatch,
-    ends_in_loop,
     first_mismatch,
     format_summary,
+    loop_start,
     plot_acceptance,
     plot_path,
     prompt_entry,
     speedup,
+    steps_before,
     summarize,
     timing,
     write_report,
@@ -59,35 +60,44 @@ def test_summary_accounting() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ids", "loops"),
+    ("ids", "start"),
     [
-        ([5] * 128, True),  # "no no no ..."
-        (list(range(20)) + [7, 8, 9] * 43, True),  # a period of 3 after an answer
-        (list(range(100)) + list(range(32)) * 4, True),  # the longest period counted: 32
-        (list(range(100)) + list(range(33)) * 4, False),  # 33: too long
-        ([5] * 127, False),  # too short to tell
-        ([5] * 127 + [6], False),  # the loop broken at the end (e.g. by end of turn)
-        (list(range(300)), False),
+        ([5] * 128, 0),  # "no no no ..." from the first token
+        (list(range(20)) + [7, 8, 9] * 43, 20),  # a period of 3 after an answer
+        (list(range(100)) + list(range(32)) * 4, 100),  # the longest period counted: 32
+        (list(range(100)) + list(range(33)) * 4, None),  # 33: too long
+        ([1, 2] + [5] * 127, None),  # a repeating tail of 127 tokens: too short to tell
+        ([5] * 200 + [6], None),  # the loop broken at the end (e.g. by an end of turn)
+        (list(range(300)), None),
+        ([4, 5, 4, 5] + [1, 2, 3] * 50, 4),  # the earliest start over the periods
     ],
 )
-def test_ends_in_loop(ids: list[int], loops: bool) -> None:
-    assert ends_in_loop(ids) is loops
+def test_loop_start(ids: list[int], start: int | None) -> None:
+    assert loop_start(ids) == start
 
 
-def test_tau_without_the_prompts_that_end_in_a_loop() -> None:
-    looping = DecodeResult([1, 2] + [9] * 200, [15] * 13 + [6], 3, 0.0, 0.0, False)
+def test_tau_before_the_outputs_fall_into_a_loop() -> None:
+    # 12 tokens of answer, then one token forever; steps emit 1 (prefill) + 3 + 4 + 5 ...
+    looping = DecodeResult(list(range(12)) + [9] * 190, [3, 4, 5] + [15] * 12 + [9], 3, 0, 0, False)
+    assert loop_start(looping.output_ids) == 12  # the answer is indices 0-11
+    assert steps_before(looping, 12) == [3, 4]  # the third step emits indices 8-12
+    assert steps_before(looping, None) == looping.acceptance_lengths
     report = summarize([_result([4, 1, 2, 4]), looping, _result([1, 3])], block_size=16)
     assert report["loop_prompts"] == 1
-    assert report["tau_without_loops"] == pytest.approx(15 / 6)  # the other two prompts' steps
-    assert report["tau"] == pytest.approx((15 + 201) / 20)
-    assert summarize([looping], block_size=16)["tau_without_loops"] is None
+    assert report["tau_before_loops"] == pytest.approx((11 + 7 + 4) / 8)
+    assert report["tau"] == pytest.approx((11 + 201 + 4) / 22)
     assert summarize([_result([2])], block_size=4)["loop_prompts"] == 0
     entry = prompt_entry(EvalPrompt("p", [1, 2, 3]), looping, None, None, 0.0)
-    assert entry["ends_in_loop"] is True
+    assert (
+        entry["loop_start"] == 12
+        and prompt_entry(EvalPrompt("q", [1]), _result([2]), None, None, 0.0)["loop_start"] is None
+    )
     report["settings"] = {"block_size": 16, "temperature": 0.0}
     assert format_summary(report).splitlines()[3] == (
-        "1 of 3 outputs end in a repetition loop (easy to draft): tau without them 2.500"
+        "1 of 3 outputs end in a repetition loop (easy to draft): tau before the loops 2.750"
     )
+    only = summarize([DecodeResult([9] * 200, [15] * 13 + [4], 3, 0, 0, False)], block_size=16)
+    assert only["loop_prompts"] == 1 and only["tau_before_loops"] is None
 
 
 def test_first_mismatch() -> None:

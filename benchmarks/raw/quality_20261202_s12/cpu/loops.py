@@ -1,13 +1,23 @@
-import json, sys
-def looping(p, tail=128, max_period=32):
-    """the answer ends in a cycle: its last `tail` tokens repeat with a period <= max_period"""
-    ids = p['output_ids'][-tail:]
-    return len(ids) == tail and any(all(ids[j] == ids[j - per] for j in range(per, tail)) for per in range(1, max_period + 1))
-def tau(ps):
-    return sum(sum(p['acceptance_lengths']) for p in ps) / max(1, sum(len(p['acceptance_lengths']) for p in ps))
-for k in ['chat', 'humaneval', 'code']:
-    a = json.load(open(f'/tmp/s12/cpu/ref6_{k}.json'))['per_prompt']; b = json.load(open(f'/tmp/s12/cpu/m6_{k}.json'))['per_prompt']
-    loops = [looping(p) for p in a]
-    A = [p for p, l in zip(a, loops) if not l]; B = [p for p, l in zip(b, loops) if not l]
-    L = [p for p, l in zip(a, loops) if l]
-    print(f"{k}: {sum(loops)}/24 end in a loop; the rest: ref6 {tau(A):.3f} m6 {tau(B):.3f} ({len(A)} prompts); loops only: ref6 {tau(L):.3f}")
+"""Recount the loops of this record's CPU eval reports with flashdraft's own accounting.
+
+    PYTHONPATH=. python benchmarks/raw/quality_20261202_s12/cpu/loops.py
+"""
+
+import json
+from pathlib import Path
+
+from flashdraft.eval.report import loop_start, steps_before
+from flashdraft.eval.speculative import DecodeResult
+
+HERE = Path(__file__).parent
+for kind in ("chat", "humaneval", "code"):
+    for run in ("ref6", "m6"):
+        report = json.loads((HERE / f"{run}_{kind}.json").read_text())
+        loops, kept = 0, []
+        for p in report["per_prompt"]:
+            result = DecodeResult(p["output_ids"], p["acceptance_lengths"], 0, 0.0, 0.0, False)
+            start = loop_start(p["output_ids"])
+            loops += start is not None
+            kept += steps_before(result, start)
+        print(f"{kind} {run}: tau {report['tau']:.3f}; {loops}/24 end in a loop; "
+              f"tau before the loops {sum(kept) / len(kept):.3f} over {len(kept)} steps")

@@ -1,22 +1,22 @@
-import json, sys
-sys.path.insert(0, '/work/main/bench')
+"""The paired ratios of this record's CPU evals, ref6 / m6, with 90% bootstrap intervals over
+whole sources (the GPU reports of the same prompts carry each prompt's source).
+
+    PYTHONPATH=.:bench python benchmarks/raw/quality_20261202_s12/cpu/pair.py
+"""
+
+import json
+from pathlib import Path
+
 from quality_report import tau_ratio_interval
-src = {}
-for k in ['chat', 'humaneval', 'code']:
-    for l in open(f'/tmp/s12/eval/{k}_24.jsonl'):
-        r = json.loads(l); src[r['id']] = r.get('source')
-def load(p):
-    r = json.load(open(p))
-    for x in r['per_prompt']:
-        x['source'] = src.get(x['id'])
-    return r
-for k in ['chat', 'humaneval', 'code']:
-    try:
-        a = load(f'/tmp/s12/cpu/ref6_{k}.json'); b = load(f'/tmp/s12/cpu/m6_{k}.json')
-    except FileNotFoundError:
-        continue
-    iv = tau_ratio_interval(a, b)
-    nsrc = len({x['source'] for x in a['per_prompt']})
-    print(f"{k}: ref6 {a['tau']:.3f} ({a['total_steps']} steps, lossless {a['lossless_prompts']}/24) m6 {b['tau']:.3f} ({b['total_steps']}) ratio {a['tau']/b['tau']:.3f} [{iv[0]:.2f}-{iv[1]:.2f}] sources {nsrc}")
-    import statistics
-    print('   median prompt tau', round(statistics.median(x['tau'] for x in a['per_prompt']),2), round(statistics.median(x['tau'] for x in b['per_prompt']),2))
+
+HERE = Path(__file__).parent
+for kind in ("chat", "humaneval", "code"):
+    gpu = json.loads((HERE.parent / "ref6" / "eval" / f"{kind}.json").read_text())
+    sources = {p["id"]: p.get("source") for p in gpu["per_prompt"]}
+    mine, theirs = (json.loads((HERE / f"{run}_{kind}.json").read_text()) for run in ("ref6", "m6"))
+    for report in (mine, theirs):
+        for p in report["per_prompt"]:
+            p["source"] = sources[p["id"]]
+    low, high = tau_ratio_interval(mine, theirs) or (float("nan"), float("nan"))
+    print(f"{kind}: ref6 {mine['tau']:.3f} m6 {theirs['tau']:.3f} ratio "
+          f"{mine['tau'] / theirs['tau']:.3f} [{low:.2f}-{high:.2f}]")
