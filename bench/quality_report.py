@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.data.sources import KINDS
+from flashdraft.eval.report import loop_start, steps_before
+from flashdraft.eval.speculative import DecodeResult
 from flashdraft.train.config import flatten
 
 KIND_NAMES = {"chat": "chat", "humaneval": "code: HumanEval", "code": "code: mined Python"}
@@ -355,7 +357,61 @@ def tau_ratio_interval(
     return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
 
 
+def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`report` as if every output stopped where it falls into a repetition loop: each
+    prompt keeps the verify steps that end before its loop starts (`loop_start`, read from
+    the output ids, so reports written before loops were counted work too) and tau is taken
+    over those; None when nothing is left or the report has no per-prompt outputs."""
+    prompts = (report or {}).get("per_prompt") or []
+    if not prompts or any("output_ids" not in p for p in prompts):
+        return None
+    kept = []
+    for p in prompts:
+        result = DecodeResult(p["output_ids"], p["acceptance_lengths"], 0, 0.0, 0.0, False)
+        kept.append({**p, "acceptance_lengths": steps_before(result, loop_start(p["output_ids"]))})
+    steps = sum(len(p["acceptance_lengths"]) for p in kept)
+    if not steps:
+        return None
+    tau = sum(sum(p["acceptance_lengths"]) for p in kept) / steps
+    loops = sum(loop_start(p["output_ids"]) is not None for p in prompts)
+    return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
+
+
+def has_loops(rows: list[dict[str, Any]]) -> bool:
+    """Whether any eval of `rows` holds an output that ends in a repetition loop."""
+    for row in rows:
+        for e in row["evals"].values():
+            for p in (e or {}).get("per_prompt") or []:
+                if "output_ids" in p and loop_start(p["output_ids"]) is not None:
+                    return True
+    return False
+
+
 def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
+    """`compare_table` of the runs and the peer; when any output ends in a repetition loop
+    (the target's own: easy to draft, it lifts tau), the same table again over the text
+    before the loops (`before_loops`)."""
+    table = compare_table(rows, peer)
+    everyone = rows + ([peer] if peer is not None else [])
+    if not has_loops(everyone):
+        return table
+
+    def cut(row: dict[str, Any]) -> dict[str, Any]:
+        evals = {}
+        for kind, e in row["evals"].items():
+            view = before_loops(e)
+            evals[kind] = None if view is None else {**view, "speedup": None}
+        return {**row, "evals": evals}
+
+    return (
+        f"{table}\nOver the text before the outputs fall into a repetition loop (each prompt's"
+        " verify steps that end before its loop starts; the loops are the target's own and"
+        " any drafter accepts them whole):\n\n"
+        + compare_table([cut(r) for r in rows], None if peer is None else cut(peer))
+    )
+
+
+def compare_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
     """A markdown table of the runs (the keys where their recipes differ) and, when the peer
     ran, each run's tau over the peer's per kind (issue 18's goal: >= 1.05) with its 90%
     paired bootstrap interval over the prompts."""

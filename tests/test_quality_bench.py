@@ -446,3 +446,41 @@ def test_held_out_eval_prompts_are_spread_over_sources(quality: ModuleType, tmp_
     report = {"per_prompt": [{"id": "c@1"}, {"id": "zzz"}]}
     quality.add_sources(report, source)
     assert report["per_prompt"] == [{"id": "c@1", "source": "c"}, {"id": "zzz"}]
+
+
+def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: ModuleType) -> None:
+    """A target's repetition loop ("no no no ...") is accepted whole by any drafter: when an
+    output falls into one, `compare` adds the table again over each prompt's verify steps
+    that end before the loop, with the ratio to the peer on those steps."""
+    report = sys.modules["quality_report"]
+
+    def prompt(pid: str, answer: int, lengths: list[int]) -> dict:
+        ids = list(range(100, 100 + answer)) + [7] * (1 + sum(lengths) - answer)
+        return {"id": pid, "output_ids": ids, "acceptance_lengths": lengths}
+
+    # 10 answer tokens, then a loop from index 10: steps 3 + 3 + 3 end at index 9, the rest loop
+    looping = prompt("a", 10, [3, 3, 3] + [15] * 10)
+    plain = {"id": "b", "output_ids": list(range(9)), "acceptance_lengths": [2, 2, 2, 2]}
+    mine = {"tau": 9.0, "per_prompt": [looping, plain]}
+    view = report.before_loops(mine)
+    assert view["loop_prompts"] == 1
+    assert [p["acceptance_lengths"] for p in view["per_prompt"]] == [[3, 3, 3], [2, 2, 2, 2]]
+    assert view["tau"] == pytest.approx(17 / 7)
+    assert report.before_loops({"tau": 2.0, "per_prompt": [{"acceptance_lengths": [2]}]}) is None
+    theirs = {
+        "tau": 8.0,
+        "per_prompt": [prompt("a", 10, [1] * 9 + [15] * 10), dict(plain, acceptance_lengths=[8])],
+    }
+    assert report.before_loops(theirs)["tau"] == pytest.approx(17 / 10)
+
+    def row(name: str, evals: dict) -> dict:
+        return {"name": name, "recipe": {"x": name}, "steps": 5, "step_ms": 1.0, "evals": evals}
+
+    peer = row("peer", {"chat": theirs})
+    peer["recipe"] = {"recipe": "theirs"}
+    table = report.render_compare([row("mine", {"chat": mine})], peer)
+    first, second = table.split("Over the text before")
+    assert "| 9.000 | — | — | 1.12" in first  # 9 / 8 over everything
+    assert "| 2.429 | — | — | 1.43" in second  # (17/7) / (17/10) before the loops
+    without = report.render_compare([row("mine", {"chat": {"tau": 2.0}})], None)
+    assert "Over the text before" not in without  # nothing loops: one table
