@@ -131,6 +131,12 @@ class QualityConfig:
         help="assistant turns trained per record: all, or only the last (`prepare --turns`; "
         "the assistant turns inside a generated record's prompt are never trained)",
     )
+    loops: Literal["keep", "untrain"] = option(
+        "keep",
+        help="repetition loops in the answers (`prepare --loops`): keep them trained, or "
+        "untrain all but each loop's first 16 tokens; untrain prepares into data-loops/ (its "
+        "own stage marker), so runs of both settings share one output",
+    )
     top_p: float = option(0.95, gt=0, le=1, help="nucleus share of the sampled answers")
     gen_batch: int = option(256, ge=1, help="prompts per generation batch")
     gen_attention: Literal["sdpa", "flex"] = option(
@@ -254,6 +260,16 @@ class Pipeline:
             return True
         log.info(f"{stage}: {left:.0f} s left of --deadline, not enough to start")
         return False
+
+    @property
+    def data_name(self) -> str:
+        """The prepared data's folder and stage marker: `data` / `prepare` as before, or
+        `data-loops` / `prepare-loops` with --loops untrain."""
+        return "data" if self.config.loops == "keep" else "data-loops"
+
+    @property
+    def prepare_marker(self) -> str:
+        return "prepare" if self.config.loops == "keep" else "prepare-loops"
 
     def marker(self, name: str) -> dict[str, Any] | None:
         path = self.out / "stages" / f"{name}.json"
@@ -418,15 +434,16 @@ class Pipeline:
             )
         if self.config.turns != "all":  # recorded only when set: older markers stay valid
             settings["turns"] = self.config.turns
-        marker = self.marker("prepare")
+        marker = self.marker(self.prepare_marker)
         if marker is not None and marker["settings"] == settings:
             return
         result = prepare(
             PrepareConfig(
                 inputs=[str(self.out / "gen" / f"{name}.jsonl") for name in passes],
                 tokenizer=self.target,
-                output=str(self.out / "data"),
+                output=str(self.out / self.data_name),
                 template=TemplateOptions(turns=self.config.turns),
+                loops=self.config.loops,
                 workers=1 if self.config.smoke else 0,
                 max_reject_rate=0.05,
                 preview=0,
@@ -436,8 +453,10 @@ class Pipeline:
         )
         if not result.ok:
             problems = "; ".join(result.manifest.get("problems", []))
-            raise RuntimeError(f"prepare: {self.out / 'data'} must not be trained on: {problems}")
-        self.save_marker("prepare", settings, counts=result.manifest["counts"])
+            raise RuntimeError(
+                f"prepare: {self.out / self.data_name} must not be trained on: {problems}"
+            )
+        self.save_marker(self.prepare_marker, settings, counts=result.manifest["counts"])
 
     # ---- train ----
 
@@ -445,7 +464,7 @@ class Pipeline:
         c = self.config
         preset = smollm2_135m(
             target=self.target,
-            datasets=(str(self.out / "data"),),
+            datasets=(str(self.out / self.data_name),),
             output=str(self.run_dir),
             eval_prompts=str(self.eval_mixed()),
             steps=c.steps,
@@ -460,7 +479,7 @@ class Pipeline:
         """True when the run is finished (its export written); False at the deadline."""
         run = self.run_config()
         name = f"train-{self.config.run}"
-        settings = {"run": run.to_dict(), "data": self.marker("prepare")}
+        settings = {"run": run.to_dict(), "data": self.marker(self.prepare_marker)}
         marker = self.marker(name)
         if marker is not None and _digest(marker["settings"]) != _digest(settings):
             raise ValueError(

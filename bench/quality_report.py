@@ -15,8 +15,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from flashdraft.data.loops import loop_start
 from flashdraft.data.sources import KINDS
-from flashdraft.eval.report import loop_start, steps_before
+from flashdraft.eval.report import steps_before
 from flashdraft.eval.speculative import DecodeResult
 from flashdraft.train.config import flatten
 
@@ -62,7 +63,13 @@ def collect(out: Path, run: str) -> dict[str, Any]:
         return json.loads(path.read_text()) if path.exists() else None
 
     stages = out / "stages"
-    prepared_from = read(stages / "prepare.json")
+    train = read(stages / f"train-{run}.json")
+    # the data the run trained on: data/ or, prepared with --loops untrain, data-loops/
+    datasets = ((train or {}).get("settings", {}).get("run", {}).get("data", {})).get("datasets")
+    data = Path(datasets[0]).name if datasets else "data"
+    prepared_from = read(
+        stages / ("prepare-loops.json" if data == "data-loops" else "prepare.json")
+    )
     if prepared_from is not None:  # the passes the data was prepared from, not every marker
         generated = {k: v for k, v in prepared_from["settings"].items() if isinstance(v, dict)}
     else:
@@ -73,8 +80,8 @@ def collect(out: Path, run: str) -> dict[str, Any]:
     return {
         "split": read(out / "prompts" / "split.json"),
         "generated": generated,
-        "prepared": read(out / "data" / "manifest.json"),
-        "train": read(stages / f"train-{run}.json"),
+        "prepared": read(out / data / "manifest.json"),
+        "train": train,
         "metrics": read_metrics(run_dir),
         "evals": {k: read(run_dir / "eval" / f"{k}.json") for k in KINDS},
         "sampled": {k: read(run_dir / "eval" / f"{k}_t1.json") for k in KINDS},
@@ -214,7 +221,13 @@ def _data_lines(summary: dict[str, Any]) -> list[str]:
         c = prepared["counts"]
         lines.append(
             f"Prepared: {c['samples']:,} samples, {_tokens(c['tokens'])} tokens, "
-            f"{_tokens(c['loss_tokens'])} trained ({c['rejected']:,} rejected)."
+            f"{_tokens(c['loss_tokens'])} trained ({c['rejected']:,} rejected"
+            + (
+                f"; {_tokens(c['loop_untrained'])} loop tokens untrained, `--loops untrain`"
+                if c.get("loop_untrained")
+                else ""
+            )
+            + ")."
         )
     return lines
 

@@ -160,6 +160,10 @@ first_step() {  # first_step NAME PID: wait until run NAME logs its first step (
   sleep "${MULTI_SOLO:-0}"
 }
 
+as_args() {  # one word of an ablation: KEY=VALUE (a run setting) or --flag=VALUE (quality.py's)
+  if [[ $1 == --* ]]; then sets+=("$1"); else sets+=(--set "$1"); fi
+}
+
 collect() {  # the small results of every run, and the export of finished ones
   (cd "$RUN_DIR" 2>/dev/null && tar czf "$OUT/quality.tgz" --ignore-failed-read \
     prompts/split.json stages data/manifest.json runs/*.run.json runs/*.log \
@@ -287,7 +291,8 @@ peereval)
   NO_EXPORT=1
   ;;
 multi)
-  # ABLATIONS="NAME K=V ...;NAME K=V ...": several ablations side by side on the one GPU (a
+  # ABLATIONS="NAME K=V ...;NAME K=V ...": several ablations side by side on the one GPU
+  # (a word --flag=VALUE goes to bench/quality.py as it is, e.g. --loops=untrain; a
   # 3-layer SmolLM2 step leaves the GPU ~25% idle and the evals are launch-bound, so the runs
   # fill each other's gaps; their ms/step are then not solo numbers). On a cold machine the
   # first run compiles alone and the others start once its first step is logged (the
@@ -305,7 +310,7 @@ multi)
     [ "${#words[@]}" -gt 0 ] || continue
     name=${words[0]}
     sets=()
-    for kv in "${words[@]:1}"; do sets+=(--set "$kv"); done
+    for kv in "${words[@]:1}"; do as_args "$kv"; done
     left=$((${MULTI_BUDGET:-540} - $(date +%s) + start))
     if [ "$left" -lt "${MULTI_MIN:-200}" ]; then
       echo "== $name: ${left} s left, not started"
@@ -332,7 +337,7 @@ ablate)
   name=${2:?ablate NAME KEY=VALUE...}
   shift 2
   sets=()
-  for kv in "$@"; do sets+=(--set "$kv"); done
+  for kv in "$@"; do as_args "$kv"; done
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)

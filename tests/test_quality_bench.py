@@ -484,3 +484,42 @@ def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: Modul
     assert "| 2.429 | — | — | 1.43" in second  # (17/7) / (17/10) before the loops
     without = report.render_compare([row("mine", {"chat": {"tau": 2.0}})], None)
     assert "Over the text before" not in without  # nothing loops: one table
+
+
+def test_a_run_on_data_with_untrained_loops_reports_that_data(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """--loops untrain prepares into data-loops/ with its own stage marker (so runs of both
+    settings share one output), the run trains on it, and the report reads that data."""
+    out = tmp_path / "out"
+    _, keep, _ = quality.parse(["report", "--output", str(out)])
+    _, loops, _ = quality.parse(["report", "--output", str(out), "--loops", "untrain"])
+    assert (keep.loops, loops.loops) == ("keep", "untrain")
+    plain = quality.Pipeline(keep, [])
+    assert (plain.data_name, plain.prepare_marker) == ("data", "prepare")
+    pipeline = quality.Pipeline(loops, [])
+    assert (pipeline.data_name, pipeline.prepare_marker) == ("data-loops", "prepare-loops")
+    _synthetic_run(out)
+    report = sys.modules["quality_report"]
+    counts = {"samples": 9, "tokens": 900, "loss_tokens": 300, "rejected": 0, "loop_untrained": 200}
+    for name, extra in (("data", {}), ("data-loops", counts)):
+        (out / name).mkdir()
+        manifest = {
+            "counts": {"samples": 9, "tokens": 900, "loss_tokens": 500, "rejected": 0, **extra}
+        }
+        (out / name / "manifest.json").write_text(json.dumps(manifest))
+    marker = out / "stages" / "train-r.json"
+    train = json.loads(marker.read_text())
+    train["settings"] = {"run": {"data": {"datasets": [str(out / "data-loops")]}}}
+    marker.write_text(json.dumps(train))
+    summary = report.collect(out, "r")
+    assert summary["prepared"]["counts"]["loop_untrained"] == 200
+    env = {
+        "date": "2026-12-02",
+        "commit": "x",
+        "torch": "2",
+        "transformers": "5",
+        "python": "3",
+        "gpu": "H200",
+    }
+    assert "0.2K loop tokens untrained, `--loops untrain`" in report.render(summary, env, "cmd")

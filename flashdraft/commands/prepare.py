@@ -23,9 +23,11 @@ def run(args: argparse.Namespace) -> int:
     counts = result.manifest["counts"]
     rate = counts["records"] / max(result.seconds, 1e-9)
     reused = f"; {result.reused_shards} shard(s) reused" if result.reused_shards else ""
+    loops = counts.get("loop_untrained", 0)
+    loops_note = f", {loops:,} loop tokens untrained" if loops else ""
     log.info(
         f"{counts['records']:,} records -> {counts['samples']:,} samples "
-        f"({counts['rejected']:,} rejected, {counts['truncated']:,} truncated) in "
+        f"({counts['rejected']:,} rejected, {counts['truncated']:,} truncated{loops_note}) in "
         f"{result.seconds:.1f} s ({rate:,.0f} records/s{reused})"
     )
     log.info(result.report)

@@ -12,6 +12,10 @@ The checks (SPEC trap 8), each with a threshold option (`Thresholds`):
 * tiny responses: the median number of trained tokens per sample;
 * heavy truncation at `--max-length` (from the manifest's counts).
 
+Also reported, not checked: the trained tokens that sit in repetition loops ("no no no ..."
+to the end of a small target's answer) past each loop's first 16, which `prepare --loops
+untrain` would leave untrained (`flashdraft.data.loops`).
+
 `flashdraft prepare` runs the same checks on what it wrote and fails unless
 `--allow-degenerate`; `flashdraft audit` (`audit(AuditConfig)`) exits 1 when any check fails.
 """
@@ -29,6 +33,7 @@ import numpy as np
 from flashdraft import config as cfg
 from flashdraft.config import option
 from flashdraft.data.dataset import PreparedDataset, open_datasets
+from flashdraft.data.loops import DATA_LOOP_KEEP, loop_excess
 from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices, preview_json
 from flashdraft.data.template import load_tokenizer
 
@@ -111,6 +116,8 @@ class Audit:
     top_repeats: list[Repeat]
     length_histogram: list[tuple[int, int, int]]  # [lo, hi) and count
     loss_histogram: list[tuple[int, int, int]]
+    loop_samples: int = 0  # samples whose trained tokens hold a repetition loop
+    loop_tokens: int = 0  # trained tokens in loops past each loop's first DATA_LOOP_KEEP
     problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -164,7 +171,7 @@ def audit_dataset(dataset: PreparedDataset, tokenizer: Any | None, thresholds: T
     keys = normalized_keys(tokenizer) if tokenizer is not None else None
     exact: set[int] = set()
     groups: dict[int, list[int]] = {}  # normalized key -> [count, first sample]
-    empty = identical = 0
+    empty = identical = loop_samples = loop_tokens = 0
     index = 0
     for ids, mask, offsets in dataset.batches():
         trained = ids[mask.astype(bool)]
@@ -172,6 +179,9 @@ def audit_dataset(dataset: PreparedDataset, tokenizer: Any | None, thresholds: T
         cuts = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[offsets]
         for j in range(len(offsets) - 1):
             tokens = trained[int(cuts[j]) : int(cuts[j + 1])]
+            excess = loop_excess(tokens)
+            loop_samples += excess > 0
+            loop_tokens += excess
             key = _key(tokens.tobytes())
             identical += key in exact
             exact.add(key)
@@ -213,6 +223,8 @@ def audit_dataset(dataset: PreparedDataset, tokenizer: Any | None, thresholds: T
         ],
         length_histogram=_histogram(dataset.num_tokens),
         loss_histogram=_histogram(dataset.num_loss_tokens),
+        loop_samples=int(loop_samples),
+        loop_tokens=int(loop_tokens),
     )
     result.problems = find_problems(result, thresholds)
     return result
@@ -311,6 +323,13 @@ def format_report(audit: Audit) -> str:
     ]
     if audit.truncated is not None:
         lines.append(f"truncated        {audit.truncated:,}  ({audit.truncated / n:.1%})")
+    if audit.loop_tokens:
+        lines.append(
+            f"loops            {audit.loop_samples:,} samples ({audit.loop_samples / n:.1%}) repeat "
+            f"themselves: {audit.loop_tokens:,} trained tokens "
+            f"({audit.loop_tokens / max(audit.loss_tokens, 1):.1%}) past each loop's first "
+            f"{DATA_LOOP_KEEP} (prepare --loops untrain leaves them untrained)"
+        )
     if audit.top_repeats:
         lines.append("most repeated responses:")
         lines += [f"  {r.count:>9,} x {_clip(r.text)}" for r in audit.top_repeats]

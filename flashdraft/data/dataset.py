@@ -192,7 +192,7 @@ class ShardStore:
                 if not overwrite:
                     raise FileExistsError(
                         f"output {output!r} holds a dataset prepared with other settings "
-                        "(tokenizer, thinking, turns, max length or shard size); pass "
+                        "(tokenizer, thinking, turns, max length, loops or shard size); pass "
                         "--overwrite to replace it, or choose another --output"
                     )
                 self.fs.rm(self.path, recursive=True)

@@ -64,6 +64,7 @@ from flashdraft.data.formats import (
     record_id,
     record_tools,
 )
+from flashdraft.data.loops import DATA_LOOP_KEEP, DATA_LOOP_MIN, untrain_loops
 from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices
 from flashdraft.data.shards import Inputs, Lines, ShardResult, inputs_difference, process_shards
 from flashdraft.data.template import (
@@ -104,6 +105,25 @@ class PrepareConfig:
         help="samples over --max-length: drop (counted as rejects) or truncate (counted as "
         "truncated)",
         tags=_DECIDES,
+    )
+    loops: Literal["keep", "untrain"] = option(
+        "keep",
+        help="repetition loops in the trained text (a stretch of at least --loop-min tokens "
+        "that repeats with a period of at most 32, e.g. a small target's answer stuck on "
+        "'no no no ...'): keep them trained, or untrain all but their first --loop-keep "
+        "tokens (they stay in the context; counted as loop_untrained)",
+    )
+    loop_keep: int = option(
+        DATA_LOOP_KEEP,
+        ge=0,
+        metavar="N",
+        help="--loops untrain: tokens of each loop still trained",
+    )
+    loop_min: int = option(
+        DATA_LOOP_MIN,
+        ge=2,
+        metavar="N",
+        help="--loops untrain: the shortest repeating stretch that counts as a loop",
     )
     preview: int = option(
         1, ge=0, metavar="N", help="show N samples with trained tokens highlighted at the end"
@@ -154,12 +174,25 @@ def data_settings(config: PrepareConfig, tokenizer_sha256: str) -> dict[str, Any
         "format_version": FORMAT_VERSION,
         "tokenizer_sha256": tokenizer_sha256,
         **cfg.settings(config, "data"),
+        **loop_settings(config),
     }
+
+
+def loop_settings(config: PrepareConfig) -> dict[str, Any]:
+    """--loops and its sizes, recorded only when loops are untrained: datasets prepared
+    before the option existed keep their settings (and resume) unchanged."""
+    if config.loops == "keep":
+        return {}
+    return {"loops": {"mode": config.loops, "keep": config.loop_keep, "min": config.loop_min}}
 
 
 def manifest_options(config: PrepareConfig) -> dict[str, Any]:
     """The options recorded in the manifest (the thresholds as one table)."""
-    return {**cfg.settings(config, "manifest"), "thresholds": cfg.to_dict(config.thresholds)}
+    return {
+        **cfg.settings(config, "manifest"),
+        **loop_settings(config),
+        "thresholds": cfg.to_dict(config.thresholds),
+    }
 
 
 # -- one shard (in a worker) -----------------------------------------------------------------
@@ -182,12 +215,15 @@ class ShardProcessor:
         encoded = encode(self.tokenizer, [sample for _, sample in rendered])
         rows: list[tuple[np.ndarray, np.ndarray, str]] = []
         truncated: list[str] = []
+        loops: list[tuple[str, int]] = []
         for (source, _), result in zip(rendered, encoded, strict=True):
             if not isinstance(result, RecordError):
                 ids, mask = result
                 result = self._fit(ids, mask)
                 if not isinstance(result, RecordError) and len(result[0]) < len(ids):
                     truncated.append(source)
+            if not isinstance(result, RecordError) and self.config.loops == "untrain":
+                result = self._untrain_loops(*result, source, loops)
             if isinstance(result, RecordError):
                 rejects.append((source, str(result)))
                 continue
@@ -199,6 +235,7 @@ class ShardProcessor:
             "samples": totals["samples"],
             "rejected": len(rejects),
             "truncated": len(truncated),
+            "loop_untrained": sum(n for _, n in loops),
             "tokens": totals["tokens"],
             "loss_tokens": totals["loss_tokens"],
         }
@@ -210,6 +247,7 @@ class ShardProcessor:
             cpu_seconds=time.process_time() - started,
             ids=record_ids,
             truncated=truncated,
+            loop_untrained=loops,
         )
 
     def _render(
@@ -235,6 +273,17 @@ class ShardProcessor:
                 for k, s in enumerate(samples)
             ]
         return rendered
+
+    def _untrain_loops(
+        self, ids: np.ndarray, mask: np.ndarray, source: str, loops: list[tuple[str, int]]
+    ) -> tuple[np.ndarray, np.ndarray] | RecordError:
+        """--loops untrain on one sample: a sample left with no trained token is rejected."""
+        mask, untrained = untrain_loops(ids, mask, self.config.loop_keep, self.config.loop_min)
+        if untrained:
+            loops.append((source, untrained))
+        if not mask.any():
+            return RecordError("every trained token is in a repetition loop (--loops untrain)")
+        return ids, mask
 
     def _fit(
         self, ids: np.ndarray, mask: np.ndarray
@@ -307,6 +356,9 @@ class DuplicateIds:
             **totals,
             "rejected": result.counts["rejected"] + len(duplicates),
             "truncated": sum(record_of(s) not in duplicates for s in result.truncated),
+            "loop_untrained": sum(
+                n for s, n in result.loop_untrained if record_of(s) not in duplicates
+            ),
         }
         result.rejects = [
             *result.rejects,
@@ -458,7 +510,9 @@ def _manifest(
     data_files: list[str],
 ) -> dict[str, Any]:
     """The record of what was prepared from what, and how; `status` is set by the checks."""
-    keys = ("records", "samples", "rejected", "truncated", "tokens", "loss_tokens")
+    keys = ["records", "samples", "rejected", "truncated", "tokens", "loss_tokens"]
+    if config.loops != "keep":  # manifests of the default settings stay as they were
+        keys.insert(4, "loop_untrained")
     reasons = Counter(_reason_kind(r) for m in markers for _, r in m["rejects"])
     return {
         "format": FORMAT,
@@ -468,7 +522,7 @@ def _manifest(
         "inputs": inputs.records,
         "tokenizer": {"name": _tokenizer_name(config.tokenizer), "sha256": tokenizer_sha256},
         "options": manifest_options(config),
-        "counts": {k: sum(m["counts"][k] for m in markers) for k in keys},
+        "counts": {k: sum(m["counts"].get(k, 0) for m in markers) for k in keys},
         "rejected_by_reason": dict(reasons.most_common()),
         "data_files": data_files,
     }

@@ -41,6 +41,7 @@ class ShardResult:
     cpu_seconds: float  # of the worker, for throughput reports (never stored: not reproducible)
     ids: list[tuple[str, str]] = field(default_factory=list)  # (source, own id) per record
     truncated: list[str] = field(default_factory=list)  # sources of samples cut to length
+    loop_untrained: list[tuple[str, int]] = field(default_factory=list)  # (source, tokens)
     extra: dict[str, Any] = field(default_factory=dict)  # stored in the shard's marker
 
 

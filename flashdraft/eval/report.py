@@ -19,8 +19,8 @@ The report holds:
   `lossless_prompts` (identical), `near_tie_prompts` and `unexplained_mismatch_prompts`;
   `lossless_up_to_ties` is true when nothing is unexplained (anything unexplained is a bug);
 * `loop_prompts`: how many outputs end in a repetition loop (each entry's `loop_start`: the
-  first output index from which the rest repeats with a period of at most `LOOP_PERIOD`,
-  when that rest is at least `LOOP_TAIL` tokens long; None: no loop), and
+  first output index from which the rest repeats with a period of at most 32 tokens, when
+  that rest is at least 128 tokens long: `flashdraft.data.loops`; None: no loop), and
   `tau_before_loops`: tau over the verify steps that end before their prompt's loop starts
   (every step of a prompt without one). A small target's greedy decoding often falls into
   "no no no ..." for the rest of its budget, which any drafter accepts whole: such outputs
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from flashdraft import storage
+from flashdraft.data.loops import loop_start
 from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.eval.speculative import DecodeResult
 
@@ -52,12 +53,6 @@ from flashdraft.eval.speculative import DecodeResult
 # bits) logits of size 10-30 are spaced 0.06-0.25 apart, and the rounding compounds over the
 # layers; float32 is ~65,000x finer.
 TIE_TOLERANCE = {torch.bfloat16: 0.5, torch.float16: 0.1, torch.float32: 1e-3}
-
-# An output "ends in a loop" when it repeats with a period of at most LOOP_PERIOD tokens from
-# some index to its end and that repeating tail holds at least LOOP_TAIL tokens (four periods
-# or more): "no no no ...", a sentence said again and again. Shorter tails never count.
-LOOP_TAIL = 128
-LOOP_PERIOD = 32
 
 
 # ---- statistics ----
@@ -94,23 +89,6 @@ def summarize(results: Sequence[DecodeResult], block_size: int) -> dict[str, Any
         "loop_prompts": sum(start is not None for start in starts),
         "tau_before_loops": sum(before) / len(before) if before else None,
     }
-
-
-def loop_start(
-    ids: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD
-) -> int | None:
-    """The first index of `ids` from which the rest repeats with a period of at most
-    `max_period` (its first period included), if that rest holds at least `tail` tokens;
-    None when the output does not end in such a loop."""
-    earliest = None
-    for period in range(1, max_period + 1):
-        j = len(ids)  # ids[k] == ids[k - period] for every k >= j
-        while j > period and ids[j - 1] == ids[j - 1 - period]:
-            j -= 1
-        start = j - period
-        if len(ids) - start >= tail and (earliest is None or start < earliest):
-            earliest = start
-    return earliest
 
 
 def steps_before(result: DecodeResult, start: int | None) -> list[int]:

@@ -22,7 +22,7 @@ FLAGS = [
     "--workers", "--seed", "--shard-size", "--max-reject-rate", "--allow-degenerate",
     "--overwrite", "--preview", "--color", "--no-progress", "--max-repeated-share",
     "--min-median-loss-tokens", "--max-empty-share", "--max-all-ones-share",
-    "--max-truncated-share",
+    "--max-truncated-share", "--loops", "--loop-keep", "--loop-min",
 ]  # fmt: skip
 
 

@@ -508,3 +508,34 @@ def test_recorded_settings_of_a_default_config_are_pinned() -> None:
     assert data_settings(other, "x")["thinking"] == "strip"
     assert (manifest_options(other)["seed"], manifest_options(other)["max_length"]) == (5, 512)
     assert "workers" not in manifest_options(other) and "color" not in manifest_options(other)
+
+
+def test_loops_are_untrained_past_their_first_tokens(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A small target's answer stuck on "no no no ...": with --loops untrain only the loop's
+    first --loop-keep tokens stay trained; the tokens stay in the sample, the manifest counts
+    the untrained ones and records the setting, and a resume with other loop settings is
+    refused like any other data setting."""
+    looping = {
+        "messages": [
+            {"role": "user", "content": "Are you sure?"},
+            {"role": "assistant", "content": "I think so, but" + " no" * 150},
+        ]
+    }
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(20)] + [looping]))
+    kept = run(config([str(source)], smollm2_dir, tmp_path / "keep"))
+    cut = run(config([str(source)], smollm2_dir, tmp_path / "cut", loops="untrain", loop_keep=8))
+    assert "loop_untrained" not in kept.manifest["counts"]  # the default: as before
+    counts, before = cut.manifest["counts"], kept.manifest["counts"]
+    assert counts["tokens"] == before["tokens"] and counts["samples"] == before["samples"]
+    assert 130 <= counts["loop_untrained"] == before["loss_tokens"] - counts["loss_tokens"]
+    assert cut.manifest["options"]["loops"] == {"mode": "untrain", "keep": 8, "min": 64}
+    last = len(open_dataset(str(tmp_path / "cut"))) - 1
+    ids, mask = open_dataset(str(tmp_path / "cut")).sample(last)
+    full_ids, full_mask = open_dataset(str(tmp_path / "keep")).sample(last)
+    assert ids.tolist() == full_ids.tolist()  # the context is unchanged
+    dropped = (full_mask == 1) & (mask == 0)  # the loop's tail, one " no" token over and over
+    assert len(set(ids[dropped].tolist())) == 1 and dropped.sum() == counts["loop_untrained"]
+    assert mask[-1] == full_mask[-1] == 1  # the end of turn after the loop: still trained
+    with pytest.raises(FileExistsError, match="loops"):
+        run(config([str(source)], smollm2_dir, tmp_path / "cut", loops="untrain", loop_keep=4))

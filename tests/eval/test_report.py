@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flashdraft.data.loops import loop_start
 from flashdraft.eval.prompts import EvalPrompt
 from flashdraft.eval.report import (
     account_lossless,
     diagnose_mismatch,
     first_mismatch,
     format_summary,
-    loop_start,
     plot_acceptance,
     plot_path,
     prompt_entry,

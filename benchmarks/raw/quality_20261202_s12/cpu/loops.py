@@ -6,7 +6,8 @@
 import json
 from pathlib import Path
 
-from flashdraft.eval.report import loop_start, steps_before
+from flashdraft.data.loops import loop_start
+from flashdraft.eval.report import steps_before
 from flashdraft.eval.speculative import DecodeResult
 
 HERE = Path(__file__).parent

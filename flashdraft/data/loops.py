@@ -1,0 +1,87 @@
+"""Repetition loops in token sequences: "no no no ...", one sentence said again and again.
+
+A small target's greedy decoding often falls into one and stays there until its token budget
+(SmolLM2-135M: 68% of its greedy chat answers, 82% of their tokens). A drafter accepts such
+text whole, so loops lift tau far above what it does on text that stays on topic, and in
+training data they spend the loss on the easiest tokens there are. `loop_start` finds the loop
+an output ends in (the eval's accounting), `repeat_runs` every long periodic run of a sequence
+(`prepare --loops untrain`).
+
+A run of period p is a stretch whose every token equals the one p before it; its first period
+counts as part of it (the first time the sentence is said).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+LOOP_PERIOD = 32  # the longest period counted, in tokens
+LOOP_TAIL = 128  # an output "ends in a loop" when its periodic tail holds this many tokens
+DATA_LOOP_MIN = 64  # in training data: the shortest repeating stretch that is a loop
+DATA_LOOP_KEEP = 16  # ... and the tokens of each that `prepare --loops untrain` still trains
+
+
+def loop_start(
+    ids: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD
+) -> int | None:
+    """The first index of `ids` from which the rest repeats with a period of at most
+    `max_period` (its first period included), if that rest holds at least `tail` tokens;
+    None when the output does not end in such a loop."""
+    earliest = None
+    for period in range(1, max_period + 1):
+        j = len(ids)  # ids[k] == ids[k - period] for every k >= j
+        while j > period and ids[j - 1] == ids[j - 1 - period]:
+            j -= 1
+        start = j - period
+        if len(ids) - start >= tail and (earliest is None or start < earliest):
+            earliest = start
+    return earliest
+
+
+def repeat_runs(
+    ids: np.ndarray, min_length: int, max_period: int = LOOP_PERIOD
+) -> list[tuple[int, int]]:
+    """[start, end) of every stretch of `ids` at least `min_length` tokens long that repeats
+    with some period of at most `max_period`, overlapping stretches merged, in order."""
+    n = len(ids)
+    runs: list[tuple[int, int]] = []
+    for period in range(1, min(max_period, n - 1) + 1):
+        same = np.concatenate(([False], ids[period:] == ids[:-period], [False]))
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        # same[1 + k] is ids[period + k] == ids[k]: a True run over k in [lo, hi) makes
+        # ids[lo : hi + period] periodic
+        for lo, hi in zip(edges[::2], edges[1::2], strict=True):
+            if hi - lo + period >= min_length:
+                runs.append((int(lo), int(hi + period)))
+    runs.sort()
+    merged: list[tuple[int, int]] = []
+    for start, end in runs:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def untrain_loops(
+    ids: np.ndarray, mask: np.ndarray, keep: int, min_length: int
+) -> tuple[np.ndarray, int]:
+    """`mask` with the trained tokens of every repetition loop (`repeat_runs` of at least
+    `min_length` tokens) set to 0 after the loop's first `keep` tokens, and how many were.
+    The tokens stay in the sample (the context the target and the drafter see is unchanged);
+    only their loss goes."""
+    out = mask.copy()
+    for start, end in repeat_runs(ids, min_length):
+        out[start + keep : end] = 0
+    return out, int(mask.sum() - out.sum())
+
+
+def loop_excess(
+    ids: np.ndarray, keep: int = DATA_LOOP_KEEP, min_length: int = DATA_LOOP_MIN
+) -> int:
+    """How many tokens of `ids` sit in repetition loops past each loop's first `keep`."""
+    if len(ids) < min_length:
+        return 0
+    return sum(max(0, end - start - keep) for start, end in repeat_runs(ids, min_length))

@@ -1,0 +1,53 @@
+"""Repetition loops: the runs `prepare --loops untrain` finds, and what it untrains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashdraft.data.loops import loop_start, repeat_runs, untrain_loops
+
+
+def a(*parts: list[int]) -> np.ndarray:
+    return np.asarray([t for part in parts for t in part], dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+    ("ids", "runs"),
+    [
+        (a(list(range(50))), []),
+        (a(list(range(10)), [7] * 70), [(10, 80)]),  # one token repeated
+        (a(list(range(10)), [1, 2, 3] * 30, list(range(100, 110))), [(10, 100)]),  # then text
+        (a([1, 2, 3] * 21), []),  # 63 tokens: under the minimum of 64
+        (a(list(range(40)), list(range(200, 232)) * 2), [(40, 104)]),  # period 32, two periods
+        (a(list(range(40)), list(range(200, 233)) * 3), []),  # period 33: too long
+        (a([5] * 64, list(range(10)), [6, 7] * 40), [(0, 64), (74, 154)]),  # two loops
+        (a([9] * 70, [8, 9] * 40), [(0, 150)]),  # overlapping runs of two periods merge
+    ],
+)
+def test_repeat_runs(ids: np.ndarray, runs: list[tuple[int, int]]) -> None:
+    assert repeat_runs(ids, min_length=64) == runs
+
+
+def test_a_loop_at_the_end_is_the_eval_loop_start() -> None:
+    ids = a(list(range(30)), [4, 5, 6, 7] * 40)
+    assert repeat_runs(ids, min_length=128) == [(30, 190)]
+    assert loop_start(ids.tolist()) == 30
+
+
+def test_untrain_keeps_the_first_tokens_of_each_loop_and_the_context() -> None:
+    ids = a(list(range(10)), [7] * 70, list(range(100, 120)))  # a loop at 10..80
+    mask = np.zeros(len(ids), dtype=np.int8)
+    mask[5:] = 1  # the answer starts at 5
+    out, untrained = untrain_loops(ids, mask, keep=16, min_length=64)
+    assert untrained == 70 - 16
+    assert out[:26].tolist() == mask[:26].tolist()  # before the loop and its first 16: as was
+    assert not out[26:80].any() and out[80:].all()  # the rest of the loop untrained; text after
+    assert mask.sum() == len(ids) - 5  # the input is not changed
+    # prompt tokens in a loop were never trained: nothing to count there
+    prompt_loop = np.zeros(len(ids), dtype=np.int8)
+    prompt_loop[80:] = 1
+    kept, counted = untrain_loops(ids, prompt_loop, keep=16, min_length=64)
+    assert counted == 0 and kept.tolist() == prompt_loop.tolist()
+    same, none = untrain_loops(a(list(range(90))), mask[:90], keep=0, min_length=64)
+    assert none == 0 and same.tolist() == mask[:90].tolist()
