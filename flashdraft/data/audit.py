@@ -33,7 +33,7 @@ import numpy as np
 from flashdraft import config as cfg
 from flashdraft.config import option
 from flashdraft.data.dataset import PreparedDataset, open_datasets
-from flashdraft.data.loops import DATA_LOOP_KEEP, loop_excess
+from flashdraft.data.loops import DATA_LOOP_KEEP, loop_excess_batch
 from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices, preview_json
 from flashdraft.data.template import load_tokenizer
 
@@ -177,11 +177,11 @@ def audit_dataset(dataset: PreparedDataset, tokenizer: Any | None, thresholds: T
         trained = ids[mask.astype(bool)]
         # cuts[j] = number of trained tokens before sample j: its trained tokens' start
         cuts = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])[offsets]
+        excess = loop_excess_batch(trained, cuts)
+        loop_samples += int(np.count_nonzero(excess))
+        loop_tokens += int(excess.sum())
         for j in range(len(offsets) - 1):
             tokens = trained[int(cuts[j]) : int(cuts[j + 1])]
-            excess = loop_excess(tokens)
-            loop_samples += excess > 0
-            loop_tokens += excess
             key = _key(tokens.tobytes())
             identical += key in exact
             exact.add(key)

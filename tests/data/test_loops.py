@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashdraft.data.loops import loop_start, repeat_runs, untrain_loops
+from flashdraft.data.loops import (
+    loop_excess,
+    loop_excess_batch,
+    loop_start,
+    repeat_runs,
+    untrain_loops,
+)
 
 
 def a(*parts: list[int]) -> np.ndarray:
@@ -51,3 +57,27 @@ def test_untrain_keeps_the_first_tokens_of_each_loop_and_the_context() -> None:
     assert counted == 0 and kept.tolist() == prompt_loop.tolist()
     same, none = untrain_loops(a(list(range(90))), mask[:90], keep=0, min_length=64)
     assert none == 0 and same.tolist() == mask[:90].tolist()
+
+
+def test_the_batch_count_equals_the_per_sample_runs() -> None:
+    """`loop_excess_batch` (the audit's) against `repeat_runs` one sample at a time, on
+    samples with loops at their ends, at their starts, two loops, short ones, and loops that
+    touch the next sample (a run never crosses a sample boundary)."""
+    rng = np.random.default_rng(0)
+    samples = [
+        a(list(range(10)), [7] * 70),
+        a([7] * 70, list(range(10))),  # starts with a loop: touches the one before
+        a([1, 2] * 40, rng.integers(100, 200, 30).tolist(), [3, 4, 5] * 30),
+        a([9] * 63),  # one short of a loop
+        a(rng.integers(100, 200, 120).tolist()),
+        a([6] * 40),
+        a([6] * 40),  # with the one before: 80 tokens of 6, but two samples
+        a([]),
+        a([8] * 200),
+    ]
+    tokens = np.concatenate(samples)
+    cuts = np.concatenate([[0], np.cumsum([len(x) for x in samples])])
+    expected = [sum(max(0, e - s - 16) for s, e in repeat_runs(x, 64)) for x in samples]
+    assert loop_excess_batch(tokens, cuts).tolist() == expected
+    assert expected[:4] == [70 - 16, 70 - 16, (80 - 16) + (90 - 16), 0] and expected[5:7] == [0, 0]
+    assert [loop_excess(x) for x in samples] == expected
