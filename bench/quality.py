@@ -47,6 +47,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from quality_report import (  # beside this script
+    PREPARED,
     collect,
     hardware_name,
     peer_row,
@@ -263,13 +264,13 @@ class Pipeline:
 
     @property
     def data_name(self) -> str:
-        """The prepared data's folder and stage marker: `data` / `prepare` as before, or
-        `data-loops` / `prepare-loops` with --loops untrain."""
-        return "data" if self.config.loops == "keep" else "data-loops"
+        """The prepared data's folder: `data`, or `data-loops` with --loops untrain."""
+        return PREPARED[self.config.loops][0]
 
     @property
     def prepare_marker(self) -> str:
-        return "prepare" if self.config.loops == "keep" else "prepare-loops"
+        """Its stage marker: `prepare`, or `prepare-loops`."""
+        return PREPARED[self.config.loops][1]
 
     def marker(self, name: str) -> dict[str, Any] | None:
         path = self.out / "stages" / f"{name}.json"

@@ -21,6 +21,8 @@ from flashdraft.eval.report import steps_before
 from flashdraft.eval.speculative import DecodeResult
 from flashdraft.train.config import flatten
 
+# `bench/quality.py --loops`: where each setting's prepared data and its stage marker live
+PREPARED = {"keep": ("data", "prepare"), "untrain": ("data-loops", "prepare-loops")}
 KIND_NAMES = {"chat": "chat", "humaneval": "code: HumanEval", "code": "code: mined Python"}
 GOALS = {"chat": "≥ 3.0", "humaneval": "≥ 3.5", "code": "—"}
 
@@ -66,10 +68,9 @@ def collect(out: Path, run: str) -> dict[str, Any]:
     train = read(stages / f"train-{run}.json")
     # the data the run trained on: data/ or, prepared with --loops untrain, data-loops/
     datasets = ((train or {}).get("settings", {}).get("run", {}).get("data", {})).get("datasets")
-    data = Path(datasets[0]).name if datasets else "data"
-    prepared_from = read(
-        stages / ("prepare-loops.json" if data == "data-loops" else "prepare.json")
-    )
+    data = Path(datasets[0]).name if datasets else PREPARED["keep"][0]
+    marker = dict(PREPARED.values()).get(data, PREPARED["keep"][1])
+    prepared_from = read(stages / f"{marker}.json")
     if prepared_from is not None:  # the passes the data was prepared from, not every marker
         generated = {k: v for k, v in prepared_from["settings"].items() if isinstance(v, dict)}
     else:
@@ -378,26 +379,22 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     prompts = (report or {}).get("per_prompt") or []
     if not prompts or any("output_ids" not in p for p in prompts):
         return None
-    kept = []
-    for p in prompts:
-        result = DecodeResult(p["output_ids"], p["acceptance_lengths"], 0, 0.0, 0.0, False)
-        kept.append({**p, "acceptance_lengths": steps_before(result, loop_start(p["output_ids"]))})
+    starts = [loop_start(p["output_ids"]) for p in prompts]
+    kept = [
+        {**p, "acceptance_lengths": steps_before(_result(p), start)}
+        for p, start in zip(prompts, starts, strict=True)
+    ]
     steps = sum(len(p["acceptance_lengths"]) for p in kept)
     if not steps:
         return None
     tau = sum(sum(p["acceptance_lengths"]) for p in kept) / steps
-    loops = sum(loop_start(p["output_ids"]) is not None for p in prompts)
+    loops = sum(start is not None for start in starts)
     return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
 
 
-def has_loops(rows: list[dict[str, Any]]) -> bool:
-    """Whether any eval of `rows` holds an output that ends in a repetition loop."""
-    for row in rows:
-        for e in row["evals"].values():
-            for p in (e or {}).get("per_prompt") or []:
-                if "output_ids" in p and loop_start(p["output_ids"]) is not None:
-                    return True
-    return False
+def _result(prompt: dict[str, Any]) -> DecodeResult:
+    """The part of a report's per-prompt entry that `steps_before` reads."""
+    return DecodeResult(prompt["output_ids"], prompt["acceptance_lengths"], 0, 0.0, 0.0, False)
 
 
 def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
@@ -405,22 +402,22 @@ def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> s
     (the target's own: easy to draft, it lifts tau), the same table again over the text
     before the loops (`before_loops`)."""
     table = compare_table(rows, peer)
-    everyone = rows + ([peer] if peer is not None else [])
-    if not has_loops(everyone):
-        return table
 
     def cut(row: dict[str, Any]) -> dict[str, Any]:
-        evals = {}
-        for kind, e in row["evals"].items():
-            view = before_loops(e)
-            evals[kind] = None if view is None else {**view, "speedup": None}
-        return {**row, "evals": evals}
+        views = {kind: before_loops(e) for kind, e in row["evals"].items()}
+        return {
+            **row,
+            "evals": {k: None if v is None else {**v, "speedup": None} for k, v in views.items()},
+        }
 
+    cut_rows, cut_peer = [cut(r) for r in rows], None if peer is None else cut(peer)
+    views = [e for r in [*cut_rows, cut_peer] if r for e in r["evals"].values() if e]
+    if not any(e["loop_prompts"] for e in views):
+        return table
     return (
         f"{table}\nOver the text before the outputs fall into a repetition loop (each prompt's"
         " verify steps that end before its loop starts; the loops are the target's own and"
-        " any drafter accepts them whole):\n\n"
-        + compare_table([cut(r) for r in rows], None if peer is None else cut(peer))
+        " any drafter accepts them whole):\n\n" + compare_table(cut_rows, cut_peer)
     )
 
 

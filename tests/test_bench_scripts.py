@@ -59,3 +59,18 @@ def test_the_device_session_scripts_parse_and_refuse_an_unknown_stage(tmp_path: 
         )  # fmt: skip
         assert done.returncode == 2, (script, done.stdout, done.stderr)
         assert "unknown stage nope" in done.stdout and expect in done.stdout
+
+
+def test_an_ablation_word_is_a_run_setting_or_a_quality_flag() -> None:
+    """`quality_session.sh multi`/`ablate`: KEY=VALUE becomes `--set KEY=VALUE`, a word
+    starting with -- (e.g. --loops=untrain, a bench/quality.py option) goes as it is."""
+    script = (ROOT / "bench" / "quality_session.sh").read_text()
+    start = script.index("as_args() {")
+    function = script[start : script.index("\n}\n", start) + 3]
+    words = "optim.epochs=2 --loops=untrain eval.every=0"
+    done = subprocess.run(
+        ["bash", "-c", f'{function}sets=(); for w in {words}; do as_args "$w"; done; '
+         'printf "%s|" "${sets[@]}"'],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert done.stdout == "--set|optim.epochs=2|--loops=untrain|--set|eval.every=0|"

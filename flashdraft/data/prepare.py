@@ -64,7 +64,7 @@ from flashdraft.data.formats import (
     record_id,
     record_tools,
 )
-from flashdraft.data.loops import DATA_LOOP_KEEP, DATA_LOOP_MIN, untrain_loops
+from flashdraft.data.loops import DATA_LOOP_KEEP, DATA_LOOP_MIN, untrain_loops_batch
 from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices
 from flashdraft.data.shards import Inputs, Lines, ShardResult, inputs_difference, process_shards
 from flashdraft.data.template import (
@@ -222,12 +222,12 @@ class ShardProcessor:
                 result = self._fit(ids, mask)
                 if not isinstance(result, RecordError) and len(result[0]) < len(ids):
                     truncated.append(source)
-            if not isinstance(result, RecordError) and self.config.loops == "untrain":
-                result = self._untrain_loops(*result, source, loops)
             if isinstance(result, RecordError):
                 rejects.append((source, str(result)))
                 continue
             rows.append((*result, source))
+        if self.config.loops == "untrain" and rows:
+            rows = self._untrain_loops(rows, loops)
         batch = record_batch(rows)
         totals = token_counts(batch)
         counts = {
@@ -275,15 +275,23 @@ class ShardProcessor:
         return rendered
 
     def _untrain_loops(
-        self, ids: np.ndarray, mask: np.ndarray, source: str, loops: list[tuple[str, int]]
-    ) -> tuple[np.ndarray, np.ndarray] | RecordError:
-        """--loops untrain on one sample: a sample left with no trained token is rejected."""
-        mask, untrained = untrain_loops(ids, mask, self.config.loop_keep, self.config.loop_min)
-        if untrained:
-            loops.append((source, untrained))
-        if not mask.any():
-            return RecordError("every trained token is in a repetition loop (--loops untrain)")
-        return ids, mask
+        self, rows: list[tuple[np.ndarray, np.ndarray, str]], loops: list[tuple[str, int]]
+    ) -> list[tuple[np.ndarray, np.ndarray, str]]:
+        """--loops untrain on the shard's samples at once; (source, tokens untrained) of each
+        that lost some go to `loops`. (A sample left with nothing trained is what the audit's
+        empty-response check counts.)"""
+        cuts = np.concatenate(([0], np.cumsum([len(ids) for ids, _, _ in rows])))
+        masks, lost = untrain_loops_batch(
+            np.concatenate([ids for ids, _, _ in rows]),
+            np.concatenate([mask for _, mask, _ in rows]),
+            cuts,
+            self.config.loop_keep,
+            self.config.loop_min,
+        )
+        loops += [(source, int(n)) for (_, _, source), n in zip(rows, lost, strict=True) if n]
+        return [
+            (ids, masks[cuts[j] : cuts[j + 1]], source) for j, (ids, _, source) in enumerate(rows)
+        ]
 
     def _fit(
         self, ids: np.ndarray, mask: np.ndarray
