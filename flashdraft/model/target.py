@@ -101,10 +101,14 @@ def load_target(
 
 
 def default_attention(path: str, device_type: str) -> str:
-    """The attention implementation to load a target with: flex_attention on CUDA (the
-    packed row's document mask as a compiled BlockMask) when the model class supports it,
-    else sdpa with a dense mask. transformers refuses flex for the hybrid Qwen3.5 / Qwen3-Next
-    classes (5.17-5.24), so `flex_attention` there would fail at load time."""
+    """The attention implementation to load a target with. On CUDA: "varlen" (flash
+    attention over the packed documents' boundaries, no mask) when torch has the varlen
+    kernel and the model class runs transformers' attention interface with nothing the
+    kernel lacks (`varlen.refusal`); else flex_attention (the document mask as a compiled
+    BlockMask) when the class supports it; else sdpa with a dense mask. On the SmolLM2-135M
+    shape varlen made the target forward 1.55x flex's (benchmarks/small_targets_h200_20261201.md,
+    thirteenth session). transformers refuses flex for the hybrid Qwen3.5 / Qwen3-Next classes
+    (5.17-5.24), so `flex_attention` there would fail at load time."""
     if device_type != "cuda":
         return "sdpa"
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -115,7 +119,12 @@ def default_attention(path: str, device_type: str) -> str:
         cls = mapping[type(config)]
     except KeyError:
         return "sdpa"
-    return "flex_attention" if getattr(cls, "_supports_flex_attn", False) else "sdpa"
+    if not getattr(cls, "_supports_flex_attn", False):
+        return "sdpa"
+    interface = getattr(cls, "_supports_attention_backend", False)
+    if interface and varlen.available() and varlen.refusal(config.get_text_config()) is None:
+        return "varlen"
+    return "flex_attention"
 
 
 def mask_backend(model: Any, backend: Backend) -> Backend:

@@ -110,6 +110,11 @@ def _kernel() -> _Kernel | None:
 _KERNEL = _kernel()
 
 
+def available() -> bool:
+    """Whether this torch has the varlen flash kernel (torch.nn.attention.varlen)."""
+    return _KERNEL is not None
+
+
 def uses_kernel(query: Tensor) -> bool:
     """Whether a packed call on `query` runs the flash kernel (CUDA, half precision)."""
     return _KERNEL is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
@@ -205,6 +210,9 @@ def refusal(config: Any) -> str | None:
         )
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         return f"it uses a sliding window ({config.sliding_window} tokens)"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim > 256:
+        return f"its heads are {head_dim} wide (the flash kernel takes at most 256)"
     for key in ("attn_logit_softcapping", "attention_sink", "sinks"):
         if getattr(config, key, None):
             return f"it sets {key} (not in the flash kernel)"

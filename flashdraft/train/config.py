@@ -36,9 +36,9 @@ class TargetSection:
     )
     attn_implementation: str | None = option(
         None,
-        help="None: flex_attention on CUDA (the packed row's document mask as a BlockMask), "
-        "sdpa on CPU; 'varlen': flash attention over the documents' boundaries, no mask "
-        "(full-attention targets); or any transformers implementation name",
+        help="None: on CUDA 'varlen' for full-attention targets the flash kernel serves, else "
+        "flex_attention (the document mask as a BlockMask) or sdpa; sdpa on CPU; 'varlen': "
+        "flash attention over the documents' boundaries, no mask; or any transformers name",
         tags=SAFE,
     )
     compile: bool = option(

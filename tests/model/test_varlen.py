@@ -115,6 +115,8 @@ def test_targets_it_cannot_serve_are_refused_with_the_reason() -> None:
     assert "sliding" in (varlen.refusal(sliding) or "")
     mixed = Qwen3Config(layer_types=["full_attention", "sliding_attention"], num_hidden_layers=2)
     assert "layer types" in (varlen.refusal(mixed) or "")
+    assert "at most 256" in (varlen.refusal(Qwen3Config(head_dim=512)) or "")
+    assert varlen.refusal(Qwen3Config(head_dim=256)) is None
 
 
 def test_a_run_with_the_varlen_target_trains_as_the_masked_one(
