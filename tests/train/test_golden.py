@@ -1,4 +1,5 @@
-"""Golden values: a fixed-seed 20-step run on the tiny Qwen3 target, pinned bit for bit.
+"""Golden values: a fixed-seed 20-step run on the tiny Qwen3 target, pinned to the logged
+decimals (one unit of the last one: the CPU's own kernels move that much).
 
 Every other training test compares one run with another; this one compares with numbers
 recorded before the package was restructured (issue 14), so a refactor that changes what is
@@ -103,14 +104,21 @@ def observed(run: Path) -> tuple[list[tuple[float, float, float]], dict[str, tup
     return [(r["loss"], r["tau_hat"], r["grad_norm"]) for r in records], weights_fingerprint(run)
 
 
-def test_a_fixed_seed_run_reproduces_the_pinned_losses_bit_for_bit(
+def test_a_fixed_seed_run_reproduces_the_pinned_losses(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
     run = tmp_path / "run"
     assert cli.main(["train", *_settings(run, tiny_qwen3_dir, qwen_data)]) == 0
     values, weights = observed(run)
     assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
-    assert values == GOLDEN
+    # One unit of the logged last decimal: another CPU's matmul kernels (summation order)
+    # moved one loss across a rounding boundary (11.96497 -> 11.96496, 2026-12-02, a fresh
+    # machine, same package versions); a change in what is computed moves them further.
+    assert len(values) == len(GOLDEN)
+    for step, (got, want) in enumerate(zip(values, GOLDEN, strict=True), 1):
+        assert got[0] == pytest.approx(want[0], abs=1.5e-5), f"step {step} loss"
+        assert got[1] == want[1], f"step {step} tau_hat"
+        assert got[2] == pytest.approx(want[2], abs=1.5e-4), f"step {step} grad_norm"
     assert weights.keys() == GOLDEN_WEIGHTS.keys()
     for name, (total, norm) in GOLDEN_WEIGHTS.items():
         assert weights[name][0] == pytest.approx(total, rel=1e-4, abs=1e-4), name
