@@ -104,9 +104,7 @@ def observed(run: Path) -> tuple[list[tuple[float, float, float]], dict[str, tup
     return [(r["loss"], r["tau_hat"], r["grad_norm"]) for r in records], weights_fingerprint(run)
 
 
-def test_a_fixed_seed_run_reproduces_the_pinned_losses(
-    tmp_path, tiny_qwen3_dir, qwen_data
-) -> None:
+def test_a_fixed_seed_run_reproduces_the_pinned_losses(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
     run = tmp_path / "run"
     assert cli.main(["train", *_settings(run, tiny_qwen3_dir, qwen_data)]) == 0
     values, weights = observed(run)
