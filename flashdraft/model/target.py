@@ -119,12 +119,10 @@ def default_attention(path: str, device_type: str) -> str:
         cls = mapping[type(config)]
     except KeyError:
         return "sdpa"
-    if not getattr(cls, "_supports_flex_attn", False):
-        return "sdpa"
     interface = getattr(cls, "_supports_attention_backend", False)
     if interface and varlen.available() and varlen.refusal(config.get_text_config()) is None:
         return "varlen"
-    return "flex_attention"
+    return "flex_attention" if getattr(cls, "_supports_flex_attn", False) else "sdpa"
 
 
 def mask_backend(model: Any, backend: Backend) -> Backend:

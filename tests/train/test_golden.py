@@ -112,7 +112,6 @@ def test_a_fixed_seed_run_reproduces_the_pinned_losses(tmp_path, tiny_qwen3_dir,
     # One unit of the logged last decimal: another CPU's matmul kernels (summation order)
     # moved one loss across a rounding boundary (11.96497 -> 11.96496, 2026-12-02, a fresh
     # machine, same package versions); a change in what is computed moves them further.
-    assert len(values) == len(GOLDEN)
     for step, (got, want) in enumerate(zip(values, GOLDEN, strict=True), 1):
         assert got[0] == pytest.approx(want[0], abs=1.5e-5), f"step {step} loss"
         assert got[1] == want[1], f"step {step} tau_hat"
