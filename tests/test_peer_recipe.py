@@ -46,6 +46,28 @@ def test_the_peer_trains_on_the_rows_of_the_quality_run(
     assert theirs == ours
 
 
+def test_peer_epochs_give_the_run_of_an_epochs_ablation(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """`--epochs 2` builds the run an ablation `--set optim.epochs=2` trains (so the two count
+    the same steps over the same rows), and differs from the preset's own epochs."""
+    common = ["--target", "/models/smol", "--device", "cpu"]
+    argv = ["train", "--output", str(tmp_path), *common, "--set", "optim.epochs=2"]
+    _, quality_config, sets = bench["quality"].parse(argv)
+    ours = bench["quality"].Pipeline(quality_config, sets).run_config().to_dict()
+    peer = bench["peer_recipe"]
+    runs = {}
+    for extra in ([], ["--epochs", "2"]):
+        config = peer.parse(["--data", str(tmp_path / "data"), "--output", "o", *common, *extra])
+        assert config.data is not None
+        runs[len(extra)] = peer.run_config(config, config.data, "/models/smol", "cpu").to_dict()
+    assert ours["optim"]["epochs"] == runs[2]["optim"]["epochs"] == 2
+    assert runs[0]["optim"]["epochs"] != 2
+    for run in (ours, runs[2]):
+        del run["output"], run["eval"]
+    assert runs[2] == ours
+
+
 @pytest.mark.slow
 def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     """speculators' DFlash trained on flashdraft's rows and taps of a tiny random target: the
