@@ -10,15 +10,29 @@ import types
 import pytest
 import torch
 from helpers import tiny_hybrid, tiny_llama
-from transformers import Qwen3_5TextConfig, Qwen3Config
+from torch import nn
+from transformers import (
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeVisionConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+)
 
 from flashdraft.model import hybrid, varlen
 from flashdraft.model.routing import PinnedRouting
-from flashdraft.model.target import Target, decoder_layers, default_attention, pack_documents
+from flashdraft.model.target import (
+    Target,
+    decoder_layers,
+    default_attention,
+    load_target,
+    pack_documents,
+)
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 LENGTHS = [[37, 50, 11], [90, 20], [1, 2, 3, 100]]  # row 1 ends in padding; 1-token docs
 ROW = 112
+LINEAR_LINEAR_LINEAR_FULL = ["linear_attention"] * 3 + ["full_attention"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -235,6 +249,62 @@ def test_hybrids_load_with_sdpa_on_cuda_and_take_a_dense_mask(tmp_path) -> None:
     assert plain.linear is not None
     plain.linear.remove()
     assert torch.equal(got, want)
+
+
+# ---- loading saved hybrid checkpoints through load_target ----
+
+
+def tiny_qwen3_5_moe_multimodal(path) -> nn.Module:
+    """A tiny random Qwen3.5-MoE saved as it ships (`Qwen3_5MoeForConditionalGeneration`
+    with a vision tower), its language model the weights of `tiny_hybrid("qwen3_5_moe")`;
+    vocabulary 96, not the config default, so that "as saved" shows."""
+    text = tiny_hybrid("qwen3_5_moe", vocab_size=96)
+    vision = Qwen3_5MoeVisionConfig(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64
+    )
+    config = Qwen3_5MoeConfig(text_config=text.config.to_dict(), vision_config=vision.to_dict())
+    full = Qwen3_5MoeForConditionalGeneration(config).eval()
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.lm_head.load_state_dict(text.lm_head.state_dict())
+    full.save_pretrained(path)
+    return full
+
+
+def test_a_multimodal_qwen3_5_moe_checkpoint_loads_as_its_language_model(tmp_path) -> None:
+    """Qwen3.5/3.6-MoE ship as Qwen3_5MoeForConditionalGeneration: the target is the text
+    model alone (no vision tower), with the saved text config and the same logits."""
+    full = tiny_qwen3_5_moe_multimodal(tmp_path)
+    model = load_target(str(tmp_path), dtype="float32", attn_implementation="sdpa")
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    assert model.config.model_type == "qwen3_5_moe_text"
+    assert not any("visual" in name for name, _ in model.named_parameters())
+    saved = full.config.text_config
+    assert model.config.vocab_size == saved.vocab_size == 96
+    assert model.config.layer_types == saved.layer_types == LINEAR_LINEAR_LINEAR_FULL
+    rope = model.config.rope_parameters
+    assert rope["partial_rotary_factor"] == 0.25 and rope["mrope_section"] == [2, 1, 1]
+    ids = torch.tensor([[5, 17, 3, 90, 42, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, full(input_ids=ids).logits)
+    target = Target(model, [0, 2], "sdpa")
+    target.verify_taps()  # the packing check included, routing pinned
+    target.taps.remove()
+
+
+def test_a_qwen3_next_checkpoint_loads_through_load_target(tmp_path) -> None:
+    saved = tiny_hybrid("qwen3_next")
+    saved.save_pretrained(tmp_path)
+    model = load_target(str(tmp_path), dtype="float32", attn_implementation="sdpa")
+    assert type(model).__name__ == "Qwen3NextForCausalLM"
+    assert model.config.model_type == "qwen3_next"
+    assert model.config.layer_types == saved.config.layer_types == LINEAR_LINEAR_LINEAR_FULL
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.25
+    ids = torch.tensor([[5, 17, 3, 60, 42, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, saved(input_ids=ids).logits)
+    target = Target(model, [0, 2], "sdpa")
+    target.verify_taps()
+    target.taps.remove()
 
 
 def test_layer_types_and_unsupported_recurrent_layers() -> None:
