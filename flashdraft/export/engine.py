@@ -3,7 +3,8 @@
 `engine_view` re-reads config.json with transformers' `AutoConfig`, as z-lab's dflash, vLLM
 and SGLang do (a speculators config through vLLM's adapter first), and takes the fields their
 DFlash models use; `check_engine_config` names every field that differs from the drafter as
-it was trained (`expected_engine_view`).
+it was trained (`expected_engine_view`), and a hybrid target's partial / multimodal RoPE keys
+if they leaked into the export.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from flashdraft import storage
 from flashdraft.export.dflash import SCALING, read_scaling
 from flashdraft.export.speculators import vllm_translation
-from flashdraft.model.config import DrafterConfig, rope_parameters_of
+from flashdraft.model.config import TARGET_ONLY_ROPE_KEYS, DrafterConfig, rope_parameters_of
 
 _GEOMETRY = (
     "hidden_size",
@@ -89,9 +90,18 @@ def expected_engine_view(config: DrafterConfig) -> dict[str, Any]:
 
 
 def check_engine_config(url: str, config: DrafterConfig) -> None:
-    """ValueError naming every field an engine would read differently from `config`."""
+    """ValueError naming every field an engine would read differently from `config`, and
+    any target-only RoPE key (`TARGET_ONLY_ROPE_KEYS`) an engine would apply to it."""
     view, want = engine_view(url), expected_engine_view(config)
     problems = []
+    # Compared key by key below (transformers adds derived keys), a leaked key would pass:
+    # the drafter rotates whole heads, whatever its config says.
+    leaked = [k for k in TARGET_ONLY_ROPE_KEYS if k in view["rope_parameters"]]
+    if leaked:
+        problems.append(
+            f"rope_parameters: engines read the target's {leaked}, but the drafter rotates "
+            "whole heads (vLLM would rotate only part of each)"
+        )
     for key, expected in want.items():
         got = view[key]
         if key == "rope_parameters":  # transformers may add derived keys; ours must match

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_drafter
+from helpers import tiny_config, tiny_drafter, tiny_hybrid
 from safetensors.torch import load_file, save_file
 
 from flashdraft.export.artifact import save_export, verify_export
@@ -17,7 +17,9 @@ from flashdraft.export.dflash import (
     save_dflash,
     to_serving_config,
 )
+from flashdraft.export.engine import check_engine_config
 from flashdraft.export.speculators import to_speculators_config
+from flashdraft.model.config import TARGET_ONLY_ROPE_KEYS, DrafterConfig
 from flashdraft.model.drafter import DraftCache
 
 # Fields an engine reads from a DFlash config.json (SPEC section 6, trap 9).
@@ -116,3 +118,28 @@ def test_target_scaling_is_written_where_zlab_reads_it(tmp_path) -> None:
     save_export(tiny_drafter(config), str(tmp_path))  # the engine check included
     with pytest.raises(ValueError, match="scales its embedding or logits"):
         to_speculators_config(config, "t")
+
+
+def test_a_hybrid_targets_drafter_exports_without_the_targets_rope_keys(tmp_path) -> None:
+    """Qwen3.5's partial (0.25) multimodal RoPE is the target's: the drafter rotates whole
+    heads, so its config.json carries none of those keys, and the engine check refuses one
+    that leaked in, wherever an engine would read it."""
+    target = tiny_hybrid("qwen3_5")
+    assert set(TARGET_ONLY_ROPE_KEYS) <= set(target.config.rope_parameters)
+    config = DrafterConfig.from_target_config(
+        target.config, mask_token_id=63, num_layers=2, target_layer_ids=[0, 2]
+    )
+    save_export(tiny_drafter(config), str(tmp_path))  # the engine check included
+    data = json.loads((tmp_path / "config.json").read_text())
+    for place in (data, data["rope_parameters"], data["rope_scaling"] or {}):
+        assert not set(TARGET_ONLY_ROPE_KEYS) & set(place)
+    assert data["rope_parameters"]["rope_theta"] == 10_000_000.0  # the target's theta kept
+    rope = data["rope_parameters"]
+    for leak in (
+        {"rope_parameters": {**rope, "partial_rotary_factor": 0.25}},
+        {"partial_rotary_factor": 0.25},  # top level: transformers 4.x configs
+        {"rope_parameters": {**rope, "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**data, **leak}))
+        with pytest.raises(ValueError, match=r"rope_parameters: engines read the target's \["):
+            check_engine_config(str(tmp_path), config)
