@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from flashdraft.model import hybrid, varlen
+from flashdraft.model.config import DrafterConfig
 from flashdraft.model.routing import PinnedRouting
 from flashdraft.model.target import (
     Target,
@@ -333,6 +334,17 @@ def test_segments_restart_at_every_document_and_row() -> None:
     ]
     # A document that continues across the row end is still cut there.
     assert hybrid.Segments.of(torch.tensor([[4, 4], [4, 4]])).cu_seqlens.tolist() == [0, 2, 4]
+
+
+def test_the_default_taps_of_the_64_layer_27b_are_z_labs() -> None:
+    """Qwen3.5/3.6-27B (64 layers, full attention every 4th) with a 5-layer drafter: the
+    ids of z-lab's published drafters and `build_target_layer_ids` (dev/hybrid_taps.md),
+    four Gated DeltaNet layers and one full-attention layer, each tapped at its output."""
+    config = Qwen3_5TextConfig(num_hidden_layers=64)
+    drafter = DrafterConfig.from_target_config(config, mask_token_id=248070, num_layers=5)
+    assert drafter.target_layer_ids == [1, 16, 31, 46, 61]
+    kinds = [hybrid.layer_types(config)[i] for i in drafter.target_layer_ids]
+    assert kinds == ["linear_attention"] * 2 + ["full_attention"] + ["linear_attention"] * 2
 
 
 def test_delta_rule_flops_of_the_27b_geometry() -> None:
