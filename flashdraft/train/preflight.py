@@ -4,6 +4,20 @@ All terms in bytes, per GPU, for the colocated placement (the target and a draft
 every rank). Coefficients of the activation terms were measured on an H200 (bench/drafter.py,
 bench/trainer.py) and are deliberately a little generous; the estimate is a guard against
 runs that cannot fit, not an allocator.
+
+A step has two phases that never overlap on the GPU (`Trainer.train_step`: `make_batch`, then
+`draft_loss` and its backward): the target's packed forward, under inference mode
+(`Target.no_grad`), whose per-layer transients and document mask are freed when
+`Target.packed_outputs` returns, and the drafter's step. So the peak is the terms held across
+both (weights, optimizer state, the taps) plus the larger phase, not the sum of all terms.
+
+Measured against it: a Qwen3.6-27B-shaped hybrid target + 5-layer drafter, 16384-token rows,
+A = 512, B = 16, peaked at 86.2 GB on an H200 (benchmarks/hybrid_h200_20261201.md); the
+estimate says 103.7 GB (114.1 with the margin), where summing every term and the former
+linear-attention term said 108.1 (118.9). The rest of the gap is in the drafter step's terms,
+kept as generous estimates: its fp32 gradients (with one forward per optimizer step they do
+not exist yet at the activation peak: `zero_grad(set_to_none=True)`), the activation
+coefficient and the context K/V.
 """
 
 from __future__ import annotations
@@ -25,17 +39,37 @@ DRAFTER_ACT_BYTES = 16
 MARGIN = 1.10  # allocator fragmentation and CUDA context
 
 
+TARGET_PHASE = "target forward"
+DRAFTER_PHASE = "drafter step"
+
+
 @dataclass(slots=True)
 class MemoryEstimate:
     terms: dict[str, float]  # name -> bytes
+    phases: dict[str, str]  # name -> TARGET_PHASE or DRAFTER_PHASE; absent: held throughout
+
+    def phase_bytes(self, phase: str) -> float:
+        return sum(v for name, v in self.terms.items() if self.phases.get(name) == phase)
+
+    @property
+    def peak_phase(self) -> str:
+        target, drafter = self.phase_bytes(TARGET_PHASE), self.phase_bytes(DRAFTER_PHASE)
+        return TARGET_PHASE if target > drafter else DRAFTER_PHASE
 
     @property
     def total(self) -> float:
-        return sum(self.terms.values()) * MARGIN
+        held = sum(v for name, v in self.terms.items() if name not in self.phases)
+        return (held + self.phase_bytes(self.peak_phase)) * MARGIN
 
     def table(self) -> str:
-        rows = [f"  {name:<34} {value / GB:8.2f} GB" for name, value in self.terms.items()]
-        rows.append(f"  {'total (x' + str(MARGIN) + ' margin)':<34} {self.total / GB:8.2f} GB")
+        rows = [
+            f"  {name:<34} {value / GB:8.2f} GB  {self.phases.get(name, '')}"
+            for name, value in self.terms.items()
+        ]
+        rows.append(
+            f"  {'total (x' + str(MARGIN) + ' margin)':<34} {self.total / GB:8.2f} GB  "
+            f"(peak in the {self.peak_phase}; the other phase's terms are freed before it)"
+        )
         return "\n".join(rows)
 
 
@@ -50,19 +84,31 @@ def target_param_bytes(target_config: Any, dtype_bytes: int) -> float:
 
 def linear_attention_bytes_per_token(text: Any, dtype_bytes: int) -> float:
     """Transient bytes per token of one Gated DeltaNet layer of a hybrid target, at its peak
-    inside the delta rule (an estimate from the tensors the layer holds, not yet measured on a
-    GPU): (1) in the target dtype, the q/k/v projection before and after the convolution
-    (2 x (2 nk dk + nv dv)), the gate z, the rule's output and the gated norm's (3 nv dv);
+    inside the delta rule. The target runs under inference mode, so only what the layer's
+    code still references is alive:
+    (1) in the target dtype, the q/k/v projection after the convolution, once (2 nk dk +
+        nv dv: the projection before it is released when the convolution returns, `mixed`
+        rebound in `hybrid.gated_delta_net_varlen` as in transformers' forward), the gate z,
+        the rule's output and the gated norm's (3 nv dv);
     (2) fp32 working copies of q and k repeated to the value heads, v, g and beta
-    (transformers' torch path): 4 x (2 nv dk + nv dv + 2 nv); (3) the chunked rule's state at
-    every chunk start, fp32 dk x dv per value head every C tokens: 4 nv dk dv / C; (4) about
-    three C x C intra-chunk matrices per value head: 4 x 3 nv C. Training runs without a
-    cache: no K/V and no state outlives the layer."""
+        (transformers' torch path, the per-document fallback): 4 x (2 nv dk + nv dv + 2 nv);
+    (3) the chunked rule's state at every chunk start, dk x dv per value head every C tokens,
+        in the target dtype: fla allocates it so (`k.new_empty(B, NT, HV, K, V)`,
+        `chunk_gated_delta_rule_fwd_h` in fla/ops/common/chunk_delta_h.py), transformers'
+        torch path keeps one running state per sequence only: dtype nv dk dv / C;
+    (4) about three C x C intra-chunk matrices per value head: 4 x 3 nv C.
+    Qwen3.6-27B in bf16: 192.9 KB per token (it was 238.0 with (1) counted twice and (3) in
+    fp32). Measured as a whole, not per term: the 27B-shaped hybrid + 5-layer drafter at
+    16384-token rows peaked at 86.2 GB on an H200 (benchmarks/hybrid_h200_20261201.md, fla
+    path), in the drafter step, where this term is no longer held. (2) and (4) stay
+    estimates: they size the torch path's fp32 copies, which also bound fla's bf16 working
+    set (normed q/k, w, u, the new values). Training runs without a cache: no K/V and no
+    state outlives the layer."""
     nk, nv = text.linear_num_key_heads, text.linear_num_value_heads
     dk, dv, chunk = text.linear_key_head_dim, text.linear_value_head_dim, DELTA_RULE_CHUNK
-    low = dtype_bytes * (2 * (2 * nk * dk + nv * dv) + 3 * nv * dv)  # (1)
+    low = dtype_bytes * ((2 * nk * dk + nv * dv) + 3 * nv * dv)  # (1)
     working = 4 * (2 * nv * dk + nv * dv + 2 * nv)  # (2)
-    states = 4 * nv * dk * dv / chunk  # (3)
+    states = dtype_bytes * nv * dk * dv / chunk  # (3)
     intra = 4 * 3 * nv * chunk  # (4)
     return float(low + working + states + intra)
 
@@ -88,10 +134,14 @@ def estimate(
     if linear_layer_ids(target_config):
         per_token = max(per_token, linear_attention_bytes_per_token(text, dtype_bytes))
     # Soft labels: k int64 ids + k fp32 probabilities per trained slot of a row (the target's
-    # top-k runs inside its label chunk, on logits the LM-head term already bounds).
+    # top-k runs inside its label chunk).
     soft = config.loss.soft_top_k if config.loss.labels == "soft" else 0
     slots = config.loss.anchors * (drafter.block_size - 1) * rows
     soft_labels = {"soft labels (top-k ids + fp32 probs)": float(slots * soft * (8 + 4))}
+    # The target's labels (`TargetHead.labels_at`): a chunk of logits in the target dtype and
+    # its scaled copy (softcap / multiplier), in the target forward only.
+    chunk = 2.0 * config.loss.chunk_rows * text.vocab_size * dtype_bytes
+    target_labels = {"target label chunk (logits x2)": chunk}
     # Targets whose attention is not flex (hybrids: transformers has none; or a configured
     # implementation) take the packed row's document mask dense: [T, T] booleans, and SDPA's
     # additive copy of it in the target dtype.
@@ -102,23 +152,32 @@ def estimate(
     )
     row = config.data.row_tokens
     mask = {"dense document mask [T, T] (sdpa)": float(rows * row * row * (1 + dtype_bytes))}
-    return MemoryEstimate(
-        {
-            "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
-            "target activations": t * per_token,
-            "taps + last hidden state": t * h * (drafter.num_taps + 1) * dtype_bytes,
-            "drafter weights+grads+AdamW (fp32)": drafter_params * 16.0,
-            "drafter bf16 weight copies": drafter_params * 2.0,
-            "drafter activations (A*B queries)": (
-                q * drafter.num_hidden_layers * DRAFTER_ACT_BYTES * (h + drafter.intermediate_size)
-            ),
-            "drafter context K/V (row length)": t
-            * (drafter.num_hidden_layers * 6 * kv_dim * 4 + 8 * h),
-            "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
-            **(soft_labels if soft else {}),
-            **(mask if dense else {}),
-        }
-    )
+    # Alive only in one phase of the step (module docstring); the rest is held throughout.
+    phases = {
+        "target activations": TARGET_PHASE,
+        "target label chunk (logits x2)": TARGET_PHASE,
+        "dense document mask [T, T] (sdpa)": TARGET_PHASE,
+        "drafter activations (A*B queries)": DRAFTER_PHASE,
+        "drafter context K/V (row length)": DRAFTER_PHASE,
+        "LM head chunk (fp32 logits x3)": DRAFTER_PHASE,
+    }
+    terms = {
+        "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
+        "target activations": t * per_token,
+        **(target_labels if config.loss.labels != "data" else {}),
+        "taps + last hidden state": t * h * (drafter.num_taps + 1) * dtype_bytes,
+        "drafter weights+grads+AdamW (fp32)": drafter_params * 16.0,
+        "drafter bf16 weight copies": drafter_params * 2.0,
+        "drafter activations (A*B queries)": (
+            q * drafter.num_hidden_layers * DRAFTER_ACT_BYTES * (h + drafter.intermediate_size)
+        ),
+        "drafter context K/V (row length)": t
+        * (drafter.num_hidden_layers * 6 * kv_dim * 4 + 8 * h),
+        "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
+        **(soft_labels if soft else {}),
+        **(mask if dense else {}),
+    }
+    return MemoryEstimate(terms, {k: v for k, v in phases.items() if k in terms})
 
 
 def check(

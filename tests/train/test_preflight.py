@@ -86,7 +86,7 @@ def qwen3_6_27b_text_config():
 
 def test_a_hybrid_target_is_estimated_with_its_linear_attention_layers(setup) -> None:
     """Qwen3.6-27B: 26.9 B parameters on the meta device; one Gated DeltaNet layer's
-    transient (~238 KB per token in bf16) outweighs the MLP's (166 KB), and is what the
+    transient (~193 KB per token in bf16) outweighs the MLP's (166 KB), and is what the
     activation term scales with."""
     config, _, _ = setup
     target = qwen3_6_27b_text_config()
@@ -94,10 +94,56 @@ def test_a_hybrid_target_is_estimated_with_its_linear_attention_layers(setup) ->
     terms = preflight.estimate(config, drafter, target, 10**9).terms
     assert terms["target weights"] == 2 * 26_895_998_464
     per_token = preflight.linear_attention_bytes_per_token(target, 2)
-    # (1) 2 x (2 x 10240 + 3 x 6144) + (2) 4 x (2 x 6144 + 6144 + 96) + (3) 4 x 12288 + (4) 4 x 9216
-    assert per_token == 2 * 38912 + 4 * 18528 + 4 * 12288 + 4 * 9216
+    # (1) 2 x (10240 + 3 x 6144) + (2) 4 x (2 x 6144 + 6144 + 96) + (3) 2 x 12288 + (4) 4 x 9216
+    assert per_token == 2 * 28672 + 4 * 18528 + 2 * 12288 + 4 * 9216
     assert per_token > 2 * (3 * 17408 + 6 * 5120)
     assert terms["target activations"] == config.data.row_tokens * per_token
+
+
+def test_the_linear_layers_hold_one_qkv_copy_and_their_chunk_states_in_the_target_dtype() -> None:
+    """The projection before the convolution is freed when it returns (inference mode), and
+    fla keeps the per-chunk states in the input dtype: in fp32 only (1) and (3) grow, by 2
+    bytes per element, (2) and (4) are fp32 working copies either way."""
+    target = qwen3_6_27b_text_config()
+    bf16 = preflight.linear_attention_bytes_per_token(target, 2)
+    fp32 = preflight.linear_attention_bytes_per_token(target, 4)
+    qkv, gated, states = 10240, 3 * 6144, 48 * 128 * 128 / 64
+    assert fp32 - bf16 == 2 * (qkv + gated + states)
+
+
+def test_the_target_forward_and_the_drafter_step_do_not_add_up() -> None:
+    """The target's packed forward (inference mode) frees its transients before the drafter
+    step starts: the total holds the larger phase only. The bench's 27B hybrid at 16384-token
+    rows (86.2 GB measured on an H200): 103.7 GB before the margin, 108.1 when every term
+    was summed with the former linear-attention term."""
+    config = load_run_config(
+        None,
+        ["output=x", "target.path=x", 'data.datasets=["z"]', "data.row_tokens=16384",
+         "loss.chunk_rows=2048"],
+    )  # fmt: skip
+    target = qwen3_6_27b_text_config()
+    drafter = DrafterConfig.from_target_config(target, mask_token_id=248319)
+    est = preflight.estimate(config, drafter, target, 1_835_072_000)
+    target_phase = est.phase_bytes(preflight.TARGET_PHASE)
+    drafter_phase = est.phase_bytes(preflight.DRAFTER_PHASE)
+    assert est.peak_phase == preflight.DRAFTER_PHASE and 0 < target_phase < drafter_phase
+    every_term = sum(est.terms.values())
+    assert est.total == pytest.approx((every_term - target_phase) * preflight.MARGIN)
+    assert est.total / preflight.MARGIN / 2**30 == pytest.approx(103.7, abs=0.05)
+    assert "peak in the drafter step" in est.table()
+    # Few anchors and long rows: the target's forward is the peak, the drafter's terms drop.
+    config.loss.anchors, config.data.row_tokens = 8, 65536
+    est = preflight.estimate(config, drafter, target, 1_835_072_000)
+    assert est.peak_phase == preflight.TARGET_PHASE
+    held = sum(v for k, v in est.terms.items() if k not in est.phases)
+    expected = (held + est.phase_bytes(preflight.TARGET_PHASE)) * preflight.MARGIN
+    assert est.total == pytest.approx(expected)
+    # Labels from the data: no target label chunk.
+    config.loss.labels = "data"
+    assert (
+        "target label chunk (logits x2)"
+        not in preflight.estimate(config, drafter, target, 10**6).terms
+    )
 
 
 def test_a_dense_document_mask_is_counted_where_the_target_takes_one(setup) -> None:
