@@ -55,6 +55,27 @@ def test_trains_end_to_end_on_a_tiny_qwen3_with_the_real_qwen3_tokenizer(
     assert steps == ["step_00000016", "step_00000024", "step_00000032"]  # keep = 3
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_default_run_trains_with_varlen_attention(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """`flashdraft train` on a GPU with nothing set about attention: the target loads with
+    the varlen flash kernel (`default_attention`), its packed forward compiled, and the run
+    learns and exports as on the CPU."""
+    from flashdraft.model.target import default_attention
+
+    assert default_attention(str(tiny_qwen3_dir), "cuda") == "varlen"
+    run = tmp_path / "run"
+    settings = train_settings(
+        run, tiny_qwen3_dir, qwen_data, **{"loss.labels": '"data"', "device": '"cuda"'}
+    )
+    assert cli.main(["train", *settings]) == 0
+    records = read_metrics(run)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    _learns(records)
+    assert (run / "export" / "model.safetensors").exists()
+
+
 def test_trains_end_to_end_on_real_smollm2_with_in_training_eval(
     tmp_path, smollm2_dir, smol_data
 ) -> None:
