@@ -11,7 +11,7 @@ from helpers import train_settings
 from torch import nn
 
 from flashdraft.model.head import TargetHead
-from flashdraft.model.target import TargetOutputs
+from flashdraft.model.target import TargetOutputs, decoder_layers
 from flashdraft.train.config import LossSection, load_run_config
 from flashdraft.train.features import (
     LocalTarget,
@@ -25,7 +25,7 @@ from flashdraft.train.features import (
     soft_label_width,
     target_outputs,
 )
-from flashdraft.train.parallel import DistInfo
+from flashdraft.train.parallel import DistInfo, _CompiledLayers
 from flashdraft.train.plan import plan_run
 
 ONE = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
@@ -166,6 +166,11 @@ def test_the_run_target_is_compiled_on_cuda_only(tmp_path, tiny_qwen3_dir, qwen_
     config = load_run_config(None, args[1::2])
     info = DistInfo(rank=0, world=1, local_rank=0, device=torch.device(device))
     target = load_run_target(plan_run(config, info, resume=False), "sdpa")
-    compiled = isinstance(target.base, torch._dynamo.eval_frame.OptimizedModule)
+    # the default scope "layers" wraps the stack (`_CompiledLayers`); "stack" compiles it whole
+    assert config.target.compile_scope == "layers"
+    compiled = isinstance(target.base, _CompiledLayers)
     assert compiled == (device == "cuda")
+    assert target.base is not target.model.model or device == "cpu"
     assert not isinstance(target.model.model, torch._dynamo.eval_frame.OptimizedModule)
+    for layer in decoder_layers(target.model):  # eager outside the packed forward's call
+        assert "forward" not in layer.__dict__
