@@ -67,6 +67,14 @@ def is_hybrid(config: Any) -> bool:
     return any(kind in RECURRENT_LAYER_TYPES for kind in layer_types(config))
 
 
+def conv_window(config: Any) -> int:
+    """The first tokens of a packed document that a convolution state leaked across its start
+    reaches directly: kernel size - 1 (3 for Qwen3.5 / Qwen3-Next); 0 for a dense target."""
+    if not linear_layer_ids(config):
+        return 0
+    return int(getattr(text_config(config), "linear_conv_kernel_dim", 4)) - 1
+
+
 def gated_delta_nets(layers: nn.ModuleList, config: Any) -> list[nn.Module]:
     """The linear-attention modules of a hybrid target's decoder layers; ValueError for
     recurrent layers flashdraft cannot pack exactly."""
