@@ -229,14 +229,28 @@ def render_prompt(tokenizer: Any, prompt: list[Message], thinking: bool) -> list
 
     `enable_thinking` is read by templates with a thinking switch (Qwen3), ignored by others.
     """
+    return encode_texts(tokenizer, [prompt_text(tokenizer, prompt, thinking)])[0]
+
+
+def prompt_text(tokenizer: Any, prompt: list[Message], thinking: bool) -> str:
+    """The prompt through the target's chat template, generation prompt appended, as text."""
     text = tokenizer.apply_chat_template(
         [m.to_openai() for m in prompt],
         tokenize=False,
         add_generation_prompt=True,
         enable_thinking=thinking,
     )
-    # The template writes the special tokens (bos included) itself.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return str(text)
+
+
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of rendered prompts, as one batch: a fast tokenizer encodes a list on all
+    cores (one by one, encoding was ~85% of the ~1 ms a 317-token prompt took on 2 cores;
+    the batch took 0.44x the time there). The template writes the special tokens (bos
+    included) itself."""
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -411,13 +425,17 @@ def _tokenize(
     limit: int | None,
     summary: Summary,
 ) -> tuple[list[Job], list[list[int]]]:
-    jobs, prompts = [], []
+    rendered: list[Job] = []
+    texts: list[str] = []
     for job in window:
         try:
-            ids = render_prompt(tokenizer, job.prompt, config.thinking == "on")
+            texts.append(prompt_text(tokenizer, job.prompt, config.thinking == "on"))
         except (TemplateError, ValueError) as err:  # e.g. a template's raise_exception
             _report_bad(BadInput(job.source, f"chat template failed: {err}"), summary)
             continue
+        rendered.append(job)
+    jobs, prompts = [], []
+    for job, ids in zip(rendered, encode_texts(tokenizer, texts), strict=True):
         if limit is not None and len(ids) + config.sampling.max_new_tokens > limit:
             why = f"prompt of {len(ids)} tokens + max_new_tokens exceeds the target's {limit}"
             _report_bad(BadInput(job.source, why), summary)

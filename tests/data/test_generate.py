@@ -388,3 +388,47 @@ def test_the_static_backend_writes_the_hf_backends_records(
         outputs[name] = _read_jsonl(out)
     assert outputs["static"] == outputs["hf"] and len(outputs["hf"]) == 3
     assert outputs["static-flex"] == outputs["hf"]
+
+
+class _FailsOn:
+    """A tokenizer whose chat template raises for one prompt text (as a template's
+    raise_exception does), everything else passed through."""
+
+    def __init__(self, tokenizer: Any, text: str) -> None:
+        self.tokenizer, self.text = tokenizer, text
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kw: Any) -> Any:
+        if any(m["content"] == self.text for m in messages):
+            from jinja2 import TemplateError
+
+            raise TemplateError("no")
+        return self.tokenizer.apply_chat_template(messages, **kw)
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        return self.tokenizer(*args, **kw)
+
+
+@pytest.mark.parametrize("target", ["smollm2", "qwen3"])
+def test_a_window_encoded_as_one_batch_gives_each_prompts_own_ids(
+    target: str, smollm2_dir: Path, qwen3_tokenizer_dir: Path
+) -> None:
+    """`_tokenize` renders a window's prompts and encodes them as one batch: the ids are
+    those of each prompt alone (no padding, no special tokens added), and a prompt whose
+    template fails is reported without shifting the others' ids."""
+    from flashdraft.assets import chitchat_conversations
+    from flashdraft.data.generate import _tokenize
+
+    path = smollm2_dir if target == "smollm2" else qwen3_tokenizer_dir
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    jobs = [
+        Job(f"c{i}", f"chitchat:{i}", [Message(m["role"], m["content"]) for m in r["messages"][:3]])
+        for i, r in enumerate(chitchat_conversations(limit=12))
+    ]
+    jobs.insert(5, Job("bad", "x:1", [Message("user", "FAIL")]))
+    config = _config(Path("in.jsonl"), Path("out.jsonl"), target=str(path))
+    summary = Summary()
+    kept, prompts = _tokenize(jobs, _FailsOn(tokenizer, "FAIL"), config, None, summary)
+    assert [j.id for j in kept] == [j.id for j in jobs if j.id != "bad"]
+    assert summary.bad_inputs == 1
+    assert prompts == [render_prompt(tokenizer, j.prompt, thinking=False) for j in kept]
+    assert len({len(p) for p in prompts}) > 1  # unequal lengths: nothing was padded
