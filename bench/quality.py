@@ -60,7 +60,7 @@ from flashdraft import assets, storage
 from flashdraft import config as cfg
 from flashdraft.benchutil import environment, print_json
 from flashdraft.config import option
-from flashdraft.data.generate import GenerateConfig, generate
+from flashdraft.data.generate import GenerateConfig, generate, open_backend
 from flashdraft.data.inference import Sampling
 from flashdraft.data.prepare import PrepareConfig, prepare
 from flashdraft.data.sources import KINDS, TRAIN_FILE, SourcesConfig, build_prompts
@@ -348,6 +348,7 @@ class Pipeline:
             seconds = marker.get("seconds", 0.0) if marker else 0.0
             limit, chunk_s = 0, 0.0
             output = self.out / "gen" / f"{name}.jsonl"
+            backend = None  # loaded once per pass: its model, caches and graphs serve every chunk
             while limit < n:
                 left = self.remaining()
                 if left is not None and chunk_s * 1.2 > left:
@@ -362,10 +363,19 @@ class Pipeline:
                 if _answered(output) >= limit:  # done by an earlier call: no model to load
                     continue
                 started = time.perf_counter()
-                generate(self._generate_config(prompts, name, sampling, seed, limit))
+                config = self._generate_config(prompts, name, sampling, seed, limit)
+                if backend is None:
+                    backend = open_backend(config)
+                summary = generate(config, backend=backend)
                 chunk_s = time.perf_counter() - started
                 seconds += chunk_s
-                _free_memory()
+                log.info(
+                    f"generate {name}: {limit:,} of {n:,} prompts; this chunk {chunk_s:.1f} s: "
+                    f"loop {summary.seconds:.1f} s (prompts tokenized in "
+                    f"{summary.tokenize_s:.1f} s of it), {summary.generated_tokens:,} tokens"
+                )
+            del backend
+            _free_memory()
             self.save_marker(f"generate-{name}", settings, complete=True, seconds=round(seconds, 1))
         return True
 

@@ -106,6 +106,15 @@
 # soft-label GPU test), then `cache`, `TWO_STAGES=prepare two` and MULTI_BUDGET=560
 # ABLATIONS="ref6" multi in call 2 (CALL_START exported first), the same multi in calls 3-4:
 # the preset's 13,879 steps (62.9 ms each) + export + evals in 29 device-minutes.
+#
+# 2026-12-02, fourteenth session (benchmarks/checks_h200_20261202_s14.md): prompts built here
+# with the s12 QUALITY_ARGS' --max-chat 15000 --max-code 45000 and train.jsonl cut to its
+# first 40,000 lines (.qcarry 7.4 MB); `one` carried .whl/min, .whl/peers, .qcarry and a 46 MB
+# partaa, `two` partab; generation 291 s + prepare, then
+#   MULTI_MIN=60 MULTI_BUDGET=565 PEER_BESIDE=1 PEER_ARGS="--epochs 2" \
+#     ABLATIONS="l5s2 optim.epochs=2 eval.every=0" bash bench/quality_session.sh multi
+# (the preset and the peer side by side, same steps) had 195 s left and both stopped compiling:
+# the budget (a refusal and a lost first call) ran out. Next: the same, calls 3-4 resuming it.
 set -u
 stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}

@@ -269,6 +269,8 @@ class Summary:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0  # generation loop wall time, model loading excluded
+    load_s: float = 0.0  # loading the backend (0 when the caller passed one in)
+    tokenize_s: float = 0.0  # inside `seconds`: prompts through the template and tokenizer
     bad_examples: list[str] = field(default_factory=list)
     backend: str = ""  # the backend's name, once it is loaded
 
@@ -296,27 +298,53 @@ class Summary:
                 f"{self.already_done} already done, {self.bad_inputs} bad "
                 f"({self.duplicates} duplicate ids)",
                 f"  {self.generated_tokens} tokens generated in {self.seconds:.1f} s "
-                f"= {self.tokens_per_s:.1f} tok/s ({self.backend})",
+                f"= {self.tokens_per_s:.1f} tok/s ({self.backend}; prompts tokenized in "
+                f"{self.tokenize_s:.1f} s of it; backend loaded in {self.load_s:.1f} s)",
             ]
         )
 
 
-def generate(config: GenerateConfig, summary: Summary | None = None) -> Summary:
+def generate(
+    config: GenerateConfig,
+    summary: Summary | None = None,
+    backend: GenerationBackend | None = None,
+) -> Summary:
     """The whole of `flashdraft generate`: every pending turn of `config.prompts` answered
     by the target into `config.output`; returns the counts.
 
     Everything that can be refused is checked before the target is loaded: the inputs
     exist, the tokenizer has a chat template, the output holds no records generated with
     other settings. `summary` is filled in place, so a caller still has the counts after an
-    interrupt.
+    interrupt. `backend`: one `open_backend` built for a config of the same target,
+    sampling and backend settings (a caller answering one prompt file in several calls
+    keeps its model, caches and graphs between them); None loads one.
     """
     storage.expand_inputs(config.prompts)
     tokenizer = load_chat_tokenizer(config.target, config.thinking == "on")
     stop_ids = stop_token_ids(config.target, config.stop_token_ids)
     output = OutputLog(config.output)
     output.check_settings(config.settings(stop_ids))
+    summary = summary if summary is not None else Summary()
+    if backend is None:
+        started = time.perf_counter()
+        backend = _load(config, tokenizer, stop_ids)
+        summary.load_s = time.perf_counter() - started
+    elif list(backend.stop_ids) != stop_ids:
+        raise ValueError(
+            f"generate: the backend given stops at {backend.stop_ids}, this config at {stop_ids}"
+        )
+    return run_generation(config, backend, tokenizer, output=output, summary=summary)
+
+
+def open_backend(config: GenerateConfig) -> GenerationBackend:
+    """The backend `generate(config)` would load, to pass to several `generate` calls."""
+    tokenizer = load_chat_tokenizer(config.target, config.thinking == "on")
+    return _load(config, tokenizer, stop_token_ids(config.target, config.stop_token_ids))
+
+
+def _load(config: GenerateConfig, tokenizer: Any, stop_ids: list[int]) -> GenerationBackend:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    backend = load_backend(
+    return load_backend(
         config.backend,
         config.target,
         config.sampling,
@@ -330,7 +358,6 @@ def generate(config: GenerateConfig, summary: Summary | None = None) -> Summary:
         static_attention=config.static_attention,
         static_compile=config.static_compile,
     )
-    return run_generation(config, backend, tokenizer, output=output, summary=summary)
 
 
 def run_generation(
@@ -359,7 +386,9 @@ def run_generation(
     try:
         jobs_read = read_jobs(config, output.done, summary)
         for window in _windows(jobs_read, config.sort_window, summary):
+            started = time.perf_counter()
             jobs, prompts = _tokenize(window, tokenizer, config, backend.max_positions, summary)
+            summary.tokenize_s += time.perf_counter() - started
             if backend.schedules_batches:
                 batches = [list(range(len(jobs)))] if jobs else []
             else:

@@ -19,6 +19,7 @@ from flashdraft.data.generate import (
     GenerateConfig,
     Summary,
     generate,
+    open_backend,
     read_jobs,
     render_prompt,
     run_generation,
@@ -353,6 +354,41 @@ def test_generate_is_the_whole_command(tmp_path: Path, smollm2_dir: Path) -> Non
     # Other settings are refused before the target is loaded.
     with pytest.raises(ValueError, match="other settings"):
         generate(GenerateConfig(target=str(smollm2_dir), prompts=[str(prompts)], output=str(out)))
+
+
+def test_one_backend_serves_several_generate_calls(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A prompt file answered in two calls (as bench/quality.py's chunks are) with one
+    `open_backend`: the same records as one call that loads its own, the load counted only
+    where it happened; a backend with other stop ids is refused."""
+    questions = ["What is 2+2?", "Name a color.", "Say hello.", "What is the capital of France?"]
+    records = [{"id": f"q{i}", "prompt": q} for i, q in enumerate(questions)]
+    prompts = _write_jsonl(tmp_path / "p.jsonl", records)
+
+    def config(out: Path, limit: int | None, **kw: Any) -> GenerateConfig:
+        return GenerateConfig(
+            target=str(smollm2_dir),
+            prompts=[str(prompts)],
+            output=str(out),
+            sampling=Sampling(temperature=0.0, max_new_tokens=6),
+            batch_size=2,
+            device="cpu",
+            keep_truncated=True,
+            progress=False,
+            limit=limit,
+            **kw,
+        )
+
+    alone = generate(config(tmp_path / "alone.jsonl", None))
+    assert alone.load_s > 0
+    backend = open_backend(config(tmp_path / "two.jsonl", 2))
+    first = generate(config(tmp_path / "two.jsonl", 2), backend=backend)
+    second = generate(config(tmp_path / "two.jsonl", None), backend=backend)
+    assert (first.written, second.written, second.already_done) == (2, 2, 2)
+    assert first.load_s == second.load_s == 0 and second.tokenize_s > 0
+    answers = {r["id"]: r["completion"] for r in _read_jsonl(tmp_path / "alone.jsonl")}
+    assert {r["id"]: r["completion"] for r in _read_jsonl(tmp_path / "two.jsonl")} == answers
+    with pytest.raises(ValueError, match="stops at"):
+        generate(config(tmp_path / "other.jsonl", None, stop_token_ids=[7]), backend=backend)
 
 
 def test_the_static_backend_writes_the_hf_backends_records(
