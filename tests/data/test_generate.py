@@ -330,22 +330,30 @@ def test_keep_truncated_writes_cut_answers_to_the_main_output(tmp_path, smollm2_
     assert record["completion_tokens"] == 4
 
 
+def _smol_config(
+    target: Path, prompts: Path, out: Path, max_new_tokens: int, **kw: Any
+) -> GenerateConfig:
+    """Greedy SmolLM2 on the CPU, two prompts a batch, truncated answers kept."""
+    return GenerateConfig(
+        target=str(target),
+        prompts=[str(prompts)],
+        output=str(out),
+        sampling=Sampling(temperature=0.0, max_new_tokens=max_new_tokens),
+        batch_size=2,
+        device="cpu",
+        keep_truncated=True,
+        progress=False,
+        **kw,
+    )
+
+
 def test_generate_is_the_whole_command(tmp_path: Path, smollm2_dir: Path) -> None:
     """The library entry point, called as the demo calls it."""
     prompts = _write_jsonl(
         tmp_path / "p.jsonl", [{"prompt": "What is 2+2?"}, {"prompt": "Name a color."}]
     )
     out = tmp_path / "out.jsonl"
-    config = GenerateConfig(
-        target=str(smollm2_dir),
-        prompts=[str(prompts)],
-        output=str(out),
-        sampling=Sampling(temperature=0.0, max_new_tokens=4),
-        batch_size=2,
-        device="cpu",
-        keep_truncated=True,
-        progress=False,
-    )
+    config = _smol_config(smollm2_dir, prompts, out, 4)
     summary = generate(config)
     assert (summary.written, summary.backend) == (2, "hf")
     assert "generate: 2 written to" in summary.describe(config.output)
@@ -365,18 +373,7 @@ def test_one_backend_serves_several_generate_calls(tmp_path: Path, smollm2_dir: 
     prompts = _write_jsonl(tmp_path / "p.jsonl", records)
 
     def config(out: Path, limit: int | None, **kw: Any) -> GenerateConfig:
-        return GenerateConfig(
-            target=str(smollm2_dir),
-            prompts=[str(prompts)],
-            output=str(out),
-            sampling=Sampling(temperature=0.0, max_new_tokens=6),
-            batch_size=2,
-            device="cpu",
-            keep_truncated=True,
-            progress=False,
-            limit=limit,
-            **kw,
-        )
+        return _smol_config(smollm2_dir, prompts, out, 6, limit=limit, **kw)
 
     alone = generate(config(tmp_path / "alone.jsonl", None))
     assert alone.load_s > 0
