@@ -115,6 +115,9 @@
 #     ABLATIONS="l5s2 optim.epochs=2 eval.every=0" bash bench/quality_session.sh multi
 # (the preset and the peer side by side, same steps) had 195 s left and both stopped compiling:
 # the budget (a refusal and a lost first call) ran out. Next: the same, calls 3-4 resuming it.
+# The prompts and answers of that run are committed (benchmarks/data/smollm2_reference_20261202/,
+# its README says how to carry them): with them `one` carries .whl/min, .qcarry (17.7 MB) and
+# a 44 MB partaa, `two` partab + .whl/peers with TWO_STAGES=prepare, then the multi at once.
 set -u
 stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
