@@ -523,3 +523,32 @@ def test_a_run_on_data_with_untrained_loops_reports_that_data(
         "gpu": "H200",
     }
     assert "0.2K loop tokens untrained, `--loops untrain`" in report.render(summary, env, "cmd")
+
+
+def test_the_committed_reference_data_is_what_its_readme_records() -> None:
+    """benchmarks/data/smollm2_reference_*/: every file has the sha256 its README lists, the
+    prompts archive holds the held-out split but no training prompts (those travel inside
+    the answers' archive), and the split's held-out files are the ones the evals read."""
+    import hashlib
+    import re
+    import tarfile
+
+    folders = sorted((ROOT / "benchmarks" / "data").glob("smollm2_reference_*"))
+    assert folders
+    for folder in folders:
+        readme = (folder / "README.md").read_text()
+        listed = dict(
+            (name, digest)
+            for digest, name in re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, flags=re.M)
+        )
+        on_disk = {p.name for p in folder.iterdir() if p.name != "README.md"}
+        assert set(listed) == on_disk
+        for name, digest in listed.items():
+            assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+        with tarfile.open(folder / "qrun.tar.xz") as archive:
+            names = set(archive.getnames())
+            split = json.load(archive.extractfile(".qrun/prompts/split.json"))  # type: ignore[arg-type]
+        assert ".qrun/prompts/train.jsonl" not in names
+        for kind in ("chat", "humaneval", "code"):
+            assert f".qrun/prompts/held_out/{kind}.jsonl" in names
+            assert split["counts"][kind]["held_out_sources"] > 0
