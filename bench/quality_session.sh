@@ -181,6 +181,10 @@ peer_beside() {  # peer_beside START: `multi` with PEER_BESIDE=1: the peer recip
   ls .whl/peers/*.whl > /dev/null 2>&1 && { $PIP --target /tmp/peer-site .whl/peers/*.whl \
     > /dev/null 2>&1 || echo "== peer: the wheels in .whl/peers did not install"; }
   left=$((${MULTI_BUDGET:-540} - $(date +%s) + $1))
+  if [ "$left" -lt "${MULTI_MIN:-200}" ]; then
+    echo "== peer: ${left} s left, not started" >> "$OUT/multi/peer.txt"
+    return 0
+  fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
   PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 30)) python3 bench/peer_recipe.py \
     ${PEER_ARGS:-} --deadline $((left - 20)) --data "$RUN_DIR/data" --output "$peer" \
