@@ -81,6 +81,12 @@ def parse_args() -> argparse.Namespace:
         help="--synthetic: compile the static decode steps' dense layer parts (inductor)",
     )
     parser.add_argument(
+        "--min-admit",
+        type=int,
+        default=1,
+        help="--synthetic, static: new prompts wait until this many slots are free",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="--synthetic, CUDA: the top kernels by GPU time of the timed run",
@@ -190,6 +196,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
                 slots=batch,
                 attention=args.attention,
                 compile_backend="inductor" if args.compile else None,
+                min_admit=args.min_admit,
             )
             batches = [prompts]
         else:

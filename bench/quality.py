@@ -146,6 +146,12 @@ class QualityConfig:
     gen_chunk: int = option(
         8192, ge=1, help="prompts per generate call (the deadline is checked between calls)"
     )
+    gen_min_admit: int = option(
+        1,
+        ge=1,
+        help="generate's static backend: new prompts wait until this many slots are free "
+        "(fewer, larger prefill batches; the same answers)",
+    )
     run: str = option("reference", help="run name: OUT/runs/RUN (ablations share the data)")
     steps: int | None = option(None, ge=1, help="training steps (default: the preset's epochs)")
     deadline: float | None = option(
@@ -425,6 +431,7 @@ class Pipeline:
             seed=seed,
             batch_size=self.config.gen_batch,
             static_attention=self.config.gen_attention,
+            static_min_admit=self.config.gen_min_admit,
             limit=limit,
             device=self.device,
             progress=False,

@@ -92,7 +92,9 @@ class SlotDecoder:
     model: a frozen HF causal LM that `StaticLM` supports; max_len: cache slots per row
     (`cache_length`); stop_ids end a request (the stop token is kept in its tokens);
     sync_every: steps between host reads; prefill_tokens: prompt tokens (padded) per prefill
-    batch; graphs: capture the steps (default: on CUDA); attention: the steps' attention,
+    batch; min_admit: new prompts wait until this many slots are free (or the queue holds
+    fewer, or no slot is busy): fewer, larger prefill batches for some idle slots, the same
+    tokens (each request's decoding does not depend on its neighbours); graphs: capture the steps (default: on CUDA); attention: the steps' attention,
     "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
     compile the decode steps' dense layer parts first (`StaticLM.compile_layers`).
     """
@@ -110,6 +112,7 @@ class SlotDecoder:
         top_p: float = 1.0,
         sync_every: int = 8,
         prefill_tokens: int = 16384,
+        min_admit: int = 1,
         graphs: bool | None = None,
         attention: str = "sdpa",
         compile_backend: str | None = None,
@@ -120,7 +123,10 @@ class SlotDecoder:
         self.slots, self.max_len, self.max_new = slots, max_len, max_new_tokens
         self.stop = frozenset(stop_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        if min_admit < 1:
+            raise ValueError(f"min_admit must be at least 1, got {min_admit}")
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
+        self.min_admit = min(min_admit, slots)
         device = self.lm.device
         self.device = device
         self.graphs = device.type == "cuda" if graphs is None else graphs
@@ -270,6 +276,9 @@ class SlotDecoder:
         self._free(list(range(self.slots)))
         while True:
             free = [s for s, slot in enumerate(self._state) if slot.request < 0]
+            busy = len(free) < self.slots
+            if busy and len(free) < min(self.min_admit, len(queue)):
+                free = []  # too few to prefill yet: they wait for more to free up
             admitted = self._admit(free, queue, prompts, seeds)
             ended = []
             for s, first in admitted:

@@ -113,6 +113,12 @@ class GenerateConfig:
         help="static backend on CUDA: compile the decode steps' norms, projections, RoPE and "
         "MLP (one graph for all layers; 10.2 -> 8.4 ms per step at 512 slots on an H200)",
     )
+    static_min_admit: int = option(
+        1,
+        ge=1,
+        help="static backend: new prompts wait until this many slots are free (fewer, larger "
+        "prefill batches; the tokens do not change; not yet timed on a GPU)",
+    )
     sort_window: int = option(4096, ge=1, help="prompts read ahead and sorted by length at once")
     limit: int | None = option(
         None, ge=0, help="only the first N prompts of the input (done ones included)"
@@ -357,6 +363,7 @@ def _load(config: GenerateConfig, tokenizer: Any, stop_ids: list[int]) -> Genera
         max_batch_tokens=config.max_batch_tokens,
         static_attention=config.static_attention,
         static_compile=config.static_compile,
+        static_min_admit=config.static_min_admit,
     )
 
 

@@ -230,6 +230,7 @@ class StaticBackend:
         slots: int = 32,
         max_batch_tokens: int | None = None,
         sync_every: int = 8,
+        min_admit: int = 1,
         graphs: bool | None = None,
         attention: str = "sdpa",
         compile_backend: str | None = None,
@@ -242,7 +243,7 @@ class StaticBackend:
         self.max_positions = limit if isinstance(limit, int) else None
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
         self.sync_every, self.graphs, self.attention = sync_every, graphs, attention
-        self.compile_backend = compile_backend
+        self.compile_backend, self.min_admit = compile_backend, min_admit
         self._decoder: SlotDecoder | None = None
 
     # A window of prompts that needs a longer cache than the decoder's rebuilds it (a new
@@ -273,6 +274,7 @@ class StaticBackend:
             top_k=0 if s.greedy else s.top_k,
             top_p=1.0 if s.greedy else s.top_p,
             sync_every=self.sync_every,
+            min_admit=self.min_admit,
             graphs=self.graphs,
             attention=self.attention,
             compile_backend=self.compile_backend,
@@ -369,6 +371,7 @@ def load_backend(
     max_batch_tokens: int | None = None,
     static_attention: str = "sdpa",
     static_compile: bool = False,
+    static_min_admit: int = 1,
 ) -> GenerationBackend:
     """`auto` is vLLM when it is installed and a GPU is there; else, on a GPU, the static
     backend when it supports the target; else HF. `batch_size` is the static backend's
@@ -398,5 +401,6 @@ def load_backend(
             max_batch_tokens=max_batch_tokens,
             attention=static_attention,
             compile_backend="inductor" if static_compile and device.startswith("cuda") else None,
+            min_admit=static_min_admit,
         )
     return HFBackend(model, sampling, stop_ids, pad_id)

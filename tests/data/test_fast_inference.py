@@ -104,6 +104,36 @@ def test_sampling_is_seeded_per_request_whatever_shares_its_steps(model, prompts
     assert all(t in row.tolist() for t, row in zip(tokens, top, strict=True))
 
 
+def test_waiting_for_free_slots_batches_prefill_and_keeps_every_token(model, prompts) -> None:
+    """min_admit: new prompts wait until that many slots are free (or the queue is shorter):
+    fewer prefill batches, the same tokens, greedy (each prompt's own greedy decoding) and
+    sampled (seeded per request)."""
+    length = cache_length(max(len(p) for p in prompts), NEW, 2)
+
+    def run(min_admit: int, temperature: float) -> tuple[list[list[int]], int]:
+        decoder = SlotDecoder(
+            model,
+            6,
+            length,
+            max_new_tokens=NEW,
+            stop_ids=STOP,
+            temperature=temperature,
+            sync_every=2,
+            min_admit=min_admit,
+        )
+        out = decoder.generate(prompts, list(range(len(prompts))))
+        return out, decoder.times.prefill_batches
+
+    greedy, batches = run(1, 0.0)
+    assert greedy == [greedy_alone(model, p) for p in prompts]
+    waited, fewer = run(4, 0.0)
+    assert waited == greedy and fewer < batches, (fewer, batches)
+    assert run(4, 1.0)[0] == run(1, 1.0)[0]
+    assert run(100, 0.0)[0] == greedy  # more than the slots: all of them, then the rest
+    with pytest.raises(ValueError, match="min_admit"):
+        SlotDecoder(model, 2, length, max_new_tokens=NEW, min_admit=0)
+
+
 def test_prompts_must_fit_the_cache(model) -> None:
     decoder = SlotDecoder(model, 2, 128, max_new_tokens=100, sync_every=8)
     with pytest.raises(ValueError, match="needs 256 cache slots; this decoder has 128"):
