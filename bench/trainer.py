@@ -81,7 +81,8 @@ def target_model(args: argparse.Namespace, device: torch.device):
         tie_word_embeddings=False,
         attn_implementation="flex_attention" if device.type == "cuda" else "sdpa",
     )
-    if getattr(args, "target_attention", "flex") == "varlen":
+    attention = getattr(args, "target_attention", None)
+    if attention == "varlen" or (attention is None and device.type == "cuda"):
         shape["attn_implementation"] = varlen.implementation("varlen")
     if getattr(args, "geometry", "8b") == "27b-hybrid":
         # transformers has no flex_attention for the hybrid classes: sdpa with the dense
@@ -229,9 +230,11 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--target-attention",
         choices=("flex", "varlen"),
-        default="flex",
-        help="the target's packed attention on CUDA: flex with the document BlockMask, or "
-        "varlen flash attention over the documents' boundaries (target.attn_implementation)",
+        default=None,
+        help="the target's packed attention: varlen flash attention over the documents' "
+        "boundaries (the default on CUDA, as `flashdraft train` picks it there for these "
+        "dense targets, target.default_attention), or flex with the document BlockMask (the "
+        "default of the records before 2026-12-02); hybrids run sdpa either way",
     )
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
