@@ -94,8 +94,8 @@ class SlotDecoder:
     sync_every: steps between host reads; prefill_tokens: prompt tokens (padded) per prefill
     batch; min_admit: new prompts wait until this many slots are free (or the queue holds
     fewer, or no slot is busy): fewer, larger prefill batches for some idle slots, the same
-    tokens (each request's decoding does not depend on its neighbours); graphs: capture the steps (default: on CUDA); attention: the steps' attention,
-    "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
+    tokens (each request's decoding does not depend on its neighbours); graphs: capture the
+    steps (default: on CUDA); attention: the steps' attention, "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
     compile the decode steps' dense layer parts first (`StaticLM.compile_layers`).
     """
 

@@ -333,7 +333,7 @@ def generate(
     summary = summary if summary is not None else Summary()
     if backend is None:
         started = time.perf_counter()
-        backend = _load(config, tokenizer, stop_ids)
+        backend = open_backend(config)
         summary.load_s = time.perf_counter() - started
     elif list(backend.stop_ids) != stop_ids:
         raise ValueError(
@@ -343,12 +343,9 @@ def generate(
 
 
 def open_backend(config: GenerateConfig) -> GenerationBackend:
-    """The backend `generate(config)` would load, to pass to several `generate` calls."""
+    """The backend `generate(config)` loads, to pass to several `generate` calls."""
     tokenizer = load_chat_tokenizer(config.target, config.thinking == "on")
-    return _load(config, tokenizer, stop_token_ids(config.target, config.stop_token_ids))
-
-
-def _load(config: GenerateConfig, tokenizer: Any, stop_ids: list[int]) -> GenerationBackend:
+    stop_ids = stop_token_ids(config.target, config.stop_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     return load_backend(
         config.backend,

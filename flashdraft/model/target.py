@@ -336,8 +336,9 @@ class Target:
         path_tolerance = PATH_TOLERANCE.get(dtype, 0.1)
         path = self.linear.path if self.linear is not None else "attention mask only"
         window = conv_window(self.config)
-        # Per tapped layer, the first document's errors: over it all, over its first tokens.
-        floor = {"": [0.0] * len(self.taps.layer_ids), "head": [0.0] * len(self.taps.layer_ids)}
+        # Per part of a document and tapped layer: the first document's errors.
+        whole, head = "the whole document", f"its first {window} tokens"
+        floor = {part: [0.0] * len(self.taps.layer_ids) for part in (whole, head)}
         start = 0
         for d, doc in enumerate(docs):
             span = slice(start, start + len(doc))
@@ -345,10 +346,10 @@ class Target:
             with routing.replay(span.start, span.stop):
                 taps, alone_labels, logits = self._document_alone(doc.to(self.device))
             got = features[0, span]
-            measured = {"": tap_errors(got, taps, self.taps)}
+            measured = {whole: tap_errors(got, taps, self.taps)}
             if window:
-                measured["head"] = tap_errors(got[:window], taps[:window], self.taps)
-            errors = measured[""]
+                measured[head] = tap_errors(got[:window], taps[:window], self.taps)
+            errors = measured[whole]
             for k, (layer, error) in enumerate(zip(self.taps.layer_ids, errors, strict=True)):
                 if d == 0 and error > path_tolerance:
                     raise ValueError(
@@ -360,11 +361,10 @@ class Target:
                     )
                 for part, part_errors in measured.items():
                     if d > 0 and part_errors[k] > tolerance + 2 * floor[part][k]:
-                        where = f"its first {window} tokens" if part else "the whole document"
                         raise ValueError(
                             f"hybrid target: the tap of layer {layer} in a packed row differs "
                             f"from document {d} run alone by {part_errors[k]:.2g} over "
-                            f"{where} (relative; tolerance {tolerance:g} + twice the first "
+                            f"{part} (relative; tolerance {tolerance:g} + twice the first "
                             f"document's {floor[part][k]:.2g}): packed documents leak into "
                             "each other through the linear-attention layers (packed path: "
                             f"{path}); refusing to train on features the target never produces"
@@ -372,12 +372,12 @@ class Target:
             log.info(
                 f"hybrid target: packing check, document {d}: tap errors "
                 + ", ".join(f"{e:.2g}" for e in errors)
-                + (f"; first {window} tokens " + ", ".join(f"{e:.2g}" for e in measured["head"])
+                + (f"; first {window} tokens " + ", ".join(f"{e:.2g}" for e in measured[head])
                    if window else "")
             )  # fmt: skip
             # A label may differ only where the document's own top logits tie within the
             # tolerance its taps are held to.
-            near = path_tolerance if d == 0 else tolerance + 2 * max(floor[""])
+            near = path_tolerance if d == 0 else tolerance + 2 * max(floor[whole])
             if d == 0:
                 floor.update(measured)  # the rounding the later documents are measured against
             picked_labels = labels[0, span]
