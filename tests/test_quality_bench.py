@@ -537,10 +537,8 @@ def test_the_committed_reference_data_is_what_its_readme_records() -> None:
     assert folders
     for folder in folders:
         readme = (folder / "README.md").read_text()
-        listed = dict(
-            (name, digest)
-            for digest, name in re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, flags=re.M)
-        )
+        found = re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, flags=re.M)
+        listed = {name: digest for digest, name in found}
         on_disk = {p.name for p in folder.iterdir() if p.name != "README.md"}
         assert set(listed) == on_disk
         for name, digest in listed.items():
