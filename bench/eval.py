@@ -50,7 +50,7 @@ import torch
 from flashdraft.assets import chitchat_conversations, humaneval_prompts, smollm2_path
 from flashdraft.benchutil import environment, measure, print_json, print_table
 from flashdraft.eval.evaluate import evaluate_drafter
-from flashdraft.eval.fast import StaticDecoder, required_len
+from flashdraft.eval.fast import StaticDecoder, cache_slots
 from flashdraft.eval.prompts import prompt_ids
 from flashdraft.eval.report import plot_acceptance
 from flashdraft.eval.speculative import Decoder, cache_argument, decode, eos_token_ids
@@ -477,7 +477,7 @@ def speed(args, device) -> int:
     hf = Decoder(target)
     decode(hf, prompt, 8)  # warm-up
     record("HF eager, DynamicCache", 1, decode(hf, prompt, new))
-    length = -(-required_len(len(prompt), new, block) // 64) * 64
+    length = cache_slots(len(prompt), new, block)
     lm = StaticLM(target, 1, length, config.target_layer_ids)
     lm.verify()
     fastest = None

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from flashdraft import config as cfg
 from flashdraft.config import option
 from flashdraft.data.inference import resolve_dtype
-from flashdraft.eval.fast import StaticDecoder, required_len
+from flashdraft.eval.fast import StaticDecoder, cache_slots
 from flashdraft.eval.prompts import EvalPrompt, as_prompt, load_prompts
 from flashdraft.eval.report import (
     TIE_TOLERANCE,
@@ -253,7 +253,7 @@ def _use_static(
     """Switch `loop` to the static loops, with caches for the longest prompt; if the static
     forward fails its check against HF's, `auto` keeps the HF loop (and says so)."""
     longest = max(len(p.input_ids) for p in items)
-    slots = -(-required_len(longest, max_new_tokens, loop.block_size) // 64) * 64
+    slots = cache_slots(longest, max_new_tokens, loop.block_size)
     try:
         loop.use_static(slots, "inductor" if compile else None)
     except ValueError as err:

@@ -61,6 +61,22 @@ def required_len(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     return prompt_len + max_new_tokens + block_size
 
 
+MIN_SLOTS = 512
+
+
+def cache_slots(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Slots to allocate for decodes of up to this length: `required_len` rounded up to a
+    power of two, at least MIN_SLOTS. The compiled step has static shapes, so every new cache
+    size compiles the target forward again (twice: the verify of B tokens and the 1-token
+    baseline), and dynamo refuses a ninth entry with fullgraph=True: one process that
+    evaluates many prompt sets (`bench/quality.py`: seven in one call) failed on its fifth
+    set when the size followed each set's longest prompt. Buckets keep the entries few, at
+    the cost of the unused slots: memory, and a step's attention reads them (SmolLM2-135M at
+    2,048 slots instead of 1,216: ~19 MB more per step, a few microseconds on an H200)."""
+    need = required_len(prompt_len, max_new_tokens, block_size)
+    return max(MIN_SLOTS, 1 << (need - 1).bit_length())
+
+
 class StaticDecoder:
     """One decode at a time (batch 1), on caches of `max_len` slots allocated once.
 
@@ -82,7 +98,7 @@ class StaticDecoder:
         temperature: float = 0.0,
         eos_ids: Collection[int] = (),
         graphs: bool | None = None,
-        compile_backend: str | None = None,
+        compile_backend: str | Callable[..., Any] | None = None,
         lm: StaticLM | None = None,
     ) -> None:
         if block_size < 1:

@@ -16,7 +16,7 @@ from helpers import drafter_config_for, tiny_llama, tiny_target
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_mask
 
-from flashdraft.eval.fast import StaticDecoder
+from flashdraft.eval.fast import MIN_SLOTS, StaticDecoder, cache_slots, required_len
 from flashdraft.eval.speculative import Decoder, decode
 from flashdraft.model.drafter import DFlashDrafter, DraftCache
 from flashdraft.model.head import TargetHead
@@ -196,6 +196,41 @@ def test_the_cache_must_hold_the_whole_decode(target) -> None:
         decoder.decode(PROMPT, 30, seed=0)
     with pytest.raises(ValueError, match="needs a drafter"):
         StaticDecoder(target, max_len=32, block_size=4)
+
+
+def test_cache_slots_hold_the_decode_in_few_sizes() -> None:
+    sizes = set()
+    for prompt in range(1, 3000, 7):
+        slots = cache_slots(prompt, 256, 16)
+        assert slots >= required_len(prompt, 256, 16) and slots >= MIN_SLOTS
+        assert slots & (slots - 1) == 0  # a power of two
+        sizes.add(slots)
+    assert sizes == {512, 1024, 2048, 4096}
+
+
+def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
+    """The quality pipeline evaluates many prompt sets in one process; a compiled step per
+    set's longest prompt hit dynamo's recompile limit (a hard error with fullgraph) on the
+    fifth set. With `cache_slots` the sets below share one cache size: after the first set's
+    two graphs (verify of B tokens, the 1-token baseline), nothing compiles again."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    drafter = drafter_for(target, block_size=4)
+    head = TargetHead.from_model(target)
+    outputs = []
+    for longest in (7, 60, 150, 300):  # 64-rounded sizes would be 64, 128, 192, 384
+        prompt = (PROMPT * 50)[:longest]
+        slots = cache_slots(longest, 24, 4)
+        lm = StaticLM(target, 1, slots, list(drafter.config.target_layer_ids))
+        kw = dict(max_len=slots, graphs=False, compile_backend=counter, lm=lm)
+        spec = StaticDecoder(target, drafter=drafter, head=head, block_size=4, **kw)
+        base = StaticDecoder(target, **kw)
+        outputs.append((spec.decode(prompt, 24).output_ids, base.decode(prompt, 24).output_ids))
+    assert counter.frame_count == 2
+    assert all(s == b for s, b in outputs)  # T = 0: the speculative loop equals the baseline
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("window", [None, 3])
