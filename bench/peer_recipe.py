@@ -127,6 +127,13 @@ class PeerRecipeConfig:
         "log record, with its state saved in OUTPUT/resume, or before an eval file; the same "
         "command again goes on where it stopped",
     )
+    save_every: int = option(
+        500,
+        ge=0,
+        help="steps between saves of the training state in OUTPUT/resume (0: only at "
+        "--deadline): a call that dies (the fifteenth session's peer: a CUDA fault at step "
+        "~1,580) resumes from the last one instead of step 0",
+    )
     smoke: bool = option(False, help="tiny random target and data on the CPU, a few steps")
 
     def __post_init__(self) -> None:
@@ -331,7 +338,9 @@ def train_peer(
                 f"step {step}/{plan.total_steps}: loss {record['loss']:.4f} "
                 f"acc {record['acc']:.3f} eal {record['eal']:.3f} lr {lr:.2e}"
             )
-            if step < plan.total_steps and out_of_time(config, SAVE_S):
+            stop = step < plan.total_steps and out_of_time(config, SAVE_S)
+            due = config.save_every and step % config.save_every < config.log_every
+            if stop or (due and step < plan.total_steps):
                 progress = {
                     "settings": settings,
                     "step": step,
@@ -342,6 +351,7 @@ def train_peer(
                     "history": history,
                 }
                 save_progress(resume, progress, model, optimizers, schedulers)
+            if stop:
                 log.info(
                     f"step {step}/{plan.total_steps}: stopped for --deadline, state in {resume};"
                     " run the same command again to go on"
@@ -379,8 +389,11 @@ def save_progress(
 ) -> None:
     """The training state after `progress["step"]` steps: the trainable weights, every
     optimizer's tensors and every generator's state in safetensors, the rest in JSON
-    (nothing pickled). progress.json is written last: a call killed while saving leaves the
-    earlier state, or none."""
+    (nothing pickled). Written into FOLDER.new, then swapped in: a call killed while saving
+    leaves the earlier state whole (`load_progress` also reads FOLDER.old, where a kill
+    between the two renames leaves it)."""
+    final, folder = folder, folder.with_name(folder.name + ".new")
+    shutil.rmtree(folder, ignore_errors=True)
     tensors = {f"model.{k}": p.detach() for k, p in model.named_parameters() if p.requires_grad}
     meta: dict[str, Any] = {"optimizers": [], "schedulers": [s.state_dict() for s in schedulers]}
     for i, optimizer in enumerate(optimizers):
@@ -398,6 +411,12 @@ def save_progress(
     storage.write_tensors(str(folder / "state.safetensors"), tensors)
     storage.write_json_atomic(str(folder / "optim.json"), meta)
     storage.write_json_atomic(str(folder / "progress.json"), progress)
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    folder.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_progress(
@@ -409,6 +428,8 @@ def load_progress(
 ) -> dict[str, Any] | None:
     """Put back what `save_progress` left in `folder` (None when nothing is there); refuses a
     state saved with other settings."""
+    if not folder.exists() and folder.with_name(folder.name + ".old").exists():
+        folder = folder.with_name(folder.name + ".old")  # killed between save's two renames
     marker = folder / "progress.json"
     if not marker.exists():
         return None
@@ -656,7 +677,8 @@ def train_stage(
         str(out / "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in trained["history"])
     )
     storage.write_json_atomic(str(marker), {"settings": settings, **trained})
-    shutil.rmtree(out / "resume", ignore_errors=True)  # an earlier call's state: used up
+    for left in ("resume", "resume.new", "resume.old"):  # an earlier call's state: used up
+        shutil.rmtree(out / left, ignore_errors=True)
     return trained
 
 

@@ -68,6 +68,45 @@ def test_peer_epochs_give_the_run_of_an_epochs_ablation(
     assert runs[2] == ours
 
 
+def test_a_saved_state_survives_a_kill_while_saving(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """`--save-every` saves while training goes on: each save replaces the last one whole, a
+    save killed before its swap leaves the earlier state, and one killed between the swap's
+    two renames is found in resume.old."""
+    import torch
+
+    peer = bench["peer_recipe"]
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    folder, settings = tmp_path / "resume", {"seed": 1}
+
+    def save(step: int) -> None:
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        progress = {"settings": settings, "step": step, "train_s": 1.0}
+        peer.save_progress(folder, progress, model, [optimizer], [scheduler])
+
+    def load() -> int:
+        done = peer.load_progress(folder, settings, model, [optimizer], [scheduler])
+        assert done is not None and model.weight[0, 0].item() == done["step"]
+        return int(done["step"])
+
+    save(1)
+    save(2)
+    assert load() == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["resume"]
+    (tmp_path / "resume.new").mkdir()  # a save killed while writing its files
+    (tmp_path / "resume.new" / "state.safetensors").write_bytes(b"torn")
+    assert load() == 2
+    folder.rename(tmp_path / "resume.old")  # killed between the swap's renames
+    assert load() == 2
+    save(3)
+    assert load() == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["resume"]
+    with pytest.raises(ValueError, match="other settings"):
+        peer.load_progress(folder, {"seed": 2}, model, [optimizer], [scheduler])
+
+
 @pytest.mark.slow
 def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     """speculators' DFlash trained on flashdraft's rows and taps of a tiny random target: the
@@ -110,7 +149,9 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert cut.returncode == 0, cut.stdout[-3000:] + cut.stderr[-3000:]
     assert json.loads(cut.stdout.strip().splitlines()[-1])["complete"] is False
     assert (split / "resume" / "progress.json").exists() and not (split / "train.json").exists()
-    rest = subprocess.run([*command[:-1], str(split)], capture_output=True, text=True, cwd=ROOT)
+    # the rest saves every 3 steps on the way (`--save-every`): the same run all the same
+    again_split = [*command[:-1], str(split), "--save-every", "3"]
+    rest = subprocess.run(again_split, capture_output=True, text=True, cwd=ROOT)
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
     resumed = json.loads(rest.stdout.strip().splitlines()[-1])
     assert resumed["resumed_after"] == [1] and not (split / "resume").exists()
