@@ -118,6 +118,13 @@
 # The prompts and answers of that run are committed (benchmarks/data/smollm2_reference_20261202/,
 # its README says how to carry them): with them `one` carries .whl/min, .qcarry (17.7 MB) and
 # a 44 MB partaa, `two` partab + .whl/peers with TWO_STAGES=prepare, then the multi at once.
+#
+# 2026-12-03, fifteenth session (benchmarks/quality_h200_20261203_s15.md): the s14 plan as
+# written (one; TWO_STAGES=prepare two + the multi with PEER_BESIDE=1; the multi twice more,
+# the last with MULTI_MIN=100 MULTI_BUDGET=430 EXPORT_RUNS=l5s2), 23 device-minutes. The
+# peer's evals are kept in benchmarks/raw/quality_20261203_s15/peer-speculators/: a later
+# run on the same answers compares with them (`quality.py compare --peer THAT_FOLDER`)
+# without training the peer again.
 set -u
 stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
