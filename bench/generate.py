@@ -81,6 +81,11 @@ def parse_args() -> argparse.Namespace:
         help="--synthetic: compile the static decode steps' dense layer parts (inductor)",
     )
     parser.add_argument(
+        "--compile-prefill",
+        action="store_true",
+        help="--synthetic, with --compile: the prefill batches' dense parts too",
+    )
+    parser.add_argument(
         "--min-admit",
         type=int,
         default=1,
@@ -196,6 +201,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
                 slots=batch,
                 attention=args.attention,
                 compile_backend="inductor" if args.compile else None,
+                compile_prefill=args.compile_prefill,
                 min_admit=args.min_admit,
             )
             batches = [prompts]

@@ -152,6 +152,9 @@ class QualityConfig:
         help="generate's static backend: new prompts wait until this many slots are free "
         "(fewer, larger prefill batches; the same answers)",
     )
+    gen_compile_prefill: bool = option(
+        False, help="generate's static backend: compile the prefill batches' dense parts too"
+    )
     run: str = option("reference", help="run name: OUT/runs/RUN (ablations share the data)")
     steps: int | None = option(None, ge=1, help="training steps (default: the preset's epochs)")
     deadline: float | None = option(
@@ -432,6 +435,7 @@ class Pipeline:
             batch_size=self.config.gen_batch,
             static_attention=self.config.gen_attention,
             static_min_admit=self.config.gen_min_admit,
+            static_compile_prefill=self.config.gen_compile_prefill,
             limit=limit,
             device=self.device,
             progress=False,

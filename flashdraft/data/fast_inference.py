@@ -96,7 +96,8 @@ class SlotDecoder:
     fewer, or no slot is busy): fewer, larger prefill batches for some idle slots, the same
     tokens (each request's decoding does not depend on its neighbours); graphs: capture the
     steps (default: on CUDA); attention: the steps' attention, "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
-    compile the decode steps' dense layer parts first (`StaticLM.compile_layers`).
+    compile the decode steps' dense layer parts first (`StaticLM.compile_layers`);
+    compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes).
     """
 
     def __init__(
@@ -115,11 +116,12 @@ class SlotDecoder:
         min_admit: int = 1,
         graphs: bool | None = None,
         attention: str = "sdpa",
-        compile_backend: str | None = None,
+        compile_backend: str | Callable[..., Any] | None = None,
+        compile_prefill: bool = False,
     ) -> None:
         self.lm = StaticLM(model, slots, max_len, attention=attention)
         if compile_backend is not None:
-            self.lm.compile_layers(compile_backend)
+            self.lm.compile_layers(compile_backend, prefill=compile_prefill)
         self.slots, self.max_len, self.max_new = slots, max_len, max_new_tokens
         self.stop = frozenset(stop_ids)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p

@@ -234,6 +234,7 @@ class StaticBackend:
         graphs: bool | None = None,
         attention: str = "sdpa",
         compile_backend: str | None = None,
+        compile_prefill: bool = False,
     ):
         reason = unsupported_reason(model)
         if reason is not None:
@@ -244,6 +245,7 @@ class StaticBackend:
         self.slots, self.max_batch_tokens = slots, max_batch_tokens
         self.sync_every, self.graphs, self.attention = sync_every, graphs, attention
         self.compile_backend, self.min_admit = compile_backend, min_admit
+        self.compile_prefill = compile_prefill
         self._decoder: SlotDecoder | None = None
 
     # A window of prompts that needs a longer cache than the decoder's rebuilds it (a new
@@ -278,6 +280,7 @@ class StaticBackend:
             graphs=self.graphs,
             attention=self.attention,
             compile_backend=self.compile_backend,
+            compile_prefill=self.compile_prefill,
         )
         log.info(f"generate: static cache of {slots} slots x {length} positions")
         return self._decoder
@@ -372,6 +375,7 @@ def load_backend(
     static_attention: str = "sdpa",
     static_compile: bool = False,
     static_min_admit: int = 1,
+    static_compile_prefill: bool = False,
 ) -> GenerationBackend:
     """`auto` is vLLM when it is installed and a GPU is there; else, on a GPU, the static
     backend when it supports the target; else HF. `batch_size` is the static backend's
@@ -402,5 +406,6 @@ def load_backend(
             attention=static_attention,
             compile_backend="inductor" if static_compile and device.startswith("cuda") else None,
             min_admit=static_min_admit,
+            compile_prefill=static_compile_prefill,
         )
     return HFBackend(model, sampling, stop_ids, pad_id)

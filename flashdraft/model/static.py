@@ -133,6 +133,22 @@ def _finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+# The same parts for prefill calls, as functions of their own: dynamo keeps its compiled
+# entries (and its automatic-dynamic record of which sizes changed) per code object, so the
+# prefill graphs (their token count changes with every batch: dynamic after the first) and
+# the decode steps' (static shapes, captured) stay apart. `StaticLM._flat_parts` calls them
+# on the batch's tokens as one row, [1, R*n, H]: a batch of one row or of one-token prompts
+# would otherwise get graphs of its own (dynamo specializes sizes of 1).
+def _prefill_project(
+    layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], shape: tuple[int, int, int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _project(layer, x, rope, shape)
+
+
+def _prefill_finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
+    return _finish(layer, x, attended)
+
+
 class StaticLM:
     """An HF causal LM's forward with its own K/V buffers, [R, Hkv, L, D] per layer.
 
@@ -194,6 +210,7 @@ class StaticLM:
         self._kv_indices = blocks[None, None, None, :]  # every row reads blocks 0, 1, ...
         self._flex = _compiled_flex if self.device.type == "cuda" else flex_attention
         self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (_project, _finish)
+        self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -256,12 +273,15 @@ class StaticLM:
         mask: Tensor | BlockMask | None,
         rows: Tensor | None,
         kv_len: int,
+        *,
+        flat: bool = False,
     ) -> Tensor:
-        """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D];
-        writes this call's K/V into layer i's cache first. mask None: the call's own tokens
-        from position 0, causal (`fresh`)."""
+        """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D]
+        (flat: [1, R*n, Hq*D]); writes this call's K/V into layer i's cache first. mask
+        None: the call's own tokens from position 0, causal (`fresh`)."""
         r, _, n, d = q.shape
         hq, hkv = self.num_heads, self.num_kv_heads
+        out_shape = (1, r * n, hq * d) if flat else (r, n, hq * d)
         keys, values = self.keys[i], self.values[i]
         if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
             index = positions[:, None, :, None].expand(r, hkv, n, d)
@@ -278,7 +298,7 @@ class StaticLM:
             # alone on an H200, 105 ms on average inside generation; cuDNN's kernel ran).
             with sdpa_kernel(_NO_CUDNN):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            return out.transpose(1, 2).reshape(r, n, hq * d)
+            return out.transpose(1, 2).reshape(out_shape)
         if rows is None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
         else:
@@ -288,7 +308,7 @@ class StaticLM:
                 q, keys, values, block_mask=mask, scale=self.scale, enable_gqa=hq != hkv
             )  # [R, Hq, n, D]
             assert isinstance(flex, Tensor)
-            return flex.transpose(1, 2).reshape(r, n, hq * d)
+            return flex.transpose(1, 2).reshape(out_shape)
         g = hq // hkv
         # Prefill batches (rows given) each have their own shape: not cuDNN (see above); the
         # decode steps have a few fixed shapes, captured once.
@@ -296,18 +316,30 @@ class StaticLM:
             out = F.scaled_dot_product_attention(
                 q.reshape(r, hkv, g * n, d), keys, values, attn_mask=mask, scale=self.scale
             )  # [R, Hkv, G*n, D]
-        return out.reshape(r, hq, n, d).transpose(1, 2).reshape(r, n, hq * d)
+        return out.reshape(r, hq, n, d).transpose(1, 2).reshape(out_shape)
 
-    def compile_layers(self, backend: str = "inductor") -> None:
+    def compile_layers(
+        self, backend: str | Callable[..., Any] = "inductor", *, prefill: bool = False
+    ) -> None:
         """Compile the dense parts of every decoder layer for the decode steps (all rows, one
         token: `rows` None): the norms, projections, RoPE and MLP, fused by inductor; the
         cache write and attention stay as they are, so one graph per part serves every
-        attention length and every layer (the modules are inputs, not constants). Prefill
-        calls keep the eager parts (their shapes vary with each batch)."""
+        attention length and every layer (the modules are inputs, not constants).
+
+        prefill: the other calls' parts too (prefill batches, verify blocks), on the call's
+        tokens as one row: the first batch compiles for its token count, the second once
+        more with it symbolic, and that graph serves the rest. Eager, a 22 x 700 SmolLM2-135M prefill spent
+        ~15 of its 25 ms of GPU time in unfused elementwise kernels (norms, RoPE, SiLU;
+        `benchmarks/raw/small_targets_h200_20261201b/call5_prefill_profile.txt`)."""
         self._decode_parts = (
             torch.compile(_project, backend=backend, dynamic=False),
             torch.compile(_finish, backend=backend, dynamic=False),
         )
+        if prefill:
+            self._prefill_parts = (
+                torch.compile(_prefill_project, backend=backend),
+                torch.compile(_prefill_finish, backend=backend),
+            )
 
     def __call__(
         self,
@@ -330,10 +362,13 @@ class StaticLM:
         the mask). What a padding position computes is never read (the cache invariant).
         """
         kv_len = kv_len or self.max_len
-        x = self.embed(ids)
-        rope = self.rotary(x, positions)  # cos, sin [R, n, D] in x's dtype
+        r, n = ids.shape
+        # The compiled prefill parts take the call's tokens as one row (`_prefill_project`).
+        flat = self._prefill_parts is not None and not (rows is None and n == 1)
+        x = self.embed(ids.reshape(1, r * n) if flat else ids)
+        # cos, sin [R, n, D] (flat: [1, R*n, D]) in x's dtype
+        rope = self.rotary(x, positions.reshape(1, r * n) if flat else positions)
         masks: dict[int | None, Any]
-        n = ids.shape[1]
         if fresh:
             masked = {w for w in self.windows if w is not None and w < n}
             masks = dict.fromkeys(set(self.windows) - masked)  # None: causal within the call
@@ -346,16 +381,23 @@ class StaticLM:
             masks = self._masks(positions, kv_len)
         wanted = set(self.tap_ids)
         taps: dict[int, Tensor] = {}
-        project, finish = (
-            self._decode_parts if rows is None and ids.shape[1] == 1 else (_project, _finish)
-        )
+        if rows is None and n == 1:
+            project, finish = self._decode_parts
+        else:
+            project, finish = self._prefill_parts or (_project, _finish)
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             q, k, v = project(layer, x, rope, shape)
-            out = self._attention(i, q, k, v, positions, masks[self.windows[i]], rows, kv_len)
+            if flat:  # [1, h, R*n, D] -> [R, h, n, D] (views)
+                q, k, v = (a[0].unflatten(1, (r, n)).transpose(0, 1) for a in (q, k, v))
+            mask = masks[self.windows[i]]
+            out = self._attention(i, q, k, v, positions, mask, rows, kv_len, flat=flat)
+            if flat and out._base is not None:  # a view (one-token prompts): its base's
+                out = out.clone()  # sizes would enter the compiled part's guards
             x = finish(layer, x, out)
-            if i in wanted:
-                taps[i] = x  # the z-lab convention: the output of decoder layer i (SPEC 3)
+            if i in wanted:  # the z-lab convention: the output of decoder layer i (SPEC 3)
+                taps[i] = x.view(r, n, -1)
+        x = x.view(r, n, -1)
         if logits_at is not None:
             x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
         logits = self.lm_head(self.norm(x))

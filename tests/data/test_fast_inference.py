@@ -182,6 +182,55 @@ def test_bench_synthetic_smoke_runs_on_cpu() -> None:
     assert all(r["generated"] == r["prompts"] * r["new tokens"] for r in result["rows"])
 
 
+def test_compiled_prefill_and_steps_keep_every_token(model, prompts) -> None:
+    """`compile_prefill`: refills of every width through the compiled parts (a counting
+    backend here: traced graphs, run eagerly) give each prompt's own greedy tokens, in a
+    bounded number of graphs however many prefill shapes the refills make."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    decoder = SlotDecoder(
+        model,
+        5,
+        cache_length(max(len(p) for p in prompts), NEW, 4),
+        max_new_tokens=NEW,
+        stop_ids=STOP,
+        sync_every=4,
+        prefill_tokens=40,
+        compile_backend=counter,
+        compile_prefill=True,
+    )
+    out = decoder.generate(prompts, list(range(len(prompts))))
+    assert out == [greedy_alone(model, p) for p in prompts]
+    assert decoder.times.prefill_batches >= 4
+    # project and finish: the decode steps', the first prefill's, the symbolic prefill's
+    assert counter.frame_count == 6
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_compiled_prefill_slots_equal_the_eager_ones_on_cuda(prompts) -> None:
+    """Inductor's prefill and decode parts, graphed steps: the eager loop's tokens."""
+    model = tiny_llama(initializer_range=0.3).cuda()
+    outputs = []
+    for compiled in (False, True):
+        decoder = SlotDecoder(
+            model,
+            5,
+            cache_length(20, NEW, 4),
+            max_new_tokens=NEW,
+            stop_ids=STOP,
+            sync_every=4,
+            prefill_tokens=40,
+            graphs=compiled,
+            compile_backend="inductor" if compiled else None,
+            compile_prefill=compiled,
+        )
+        outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention) -> None:

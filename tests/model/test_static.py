@@ -178,6 +178,42 @@ def test_compiled_layer_parts_give_the_eager_steps_with_one_graph_for_every_laye
 
 
 @torch.no_grad()
+def test_compiled_prefill_parts_give_the_eager_prefill_in_few_graphs(target) -> None:
+    """`compile_layers(prefill=True)`: prefill batches of other rows and widths through the
+    compiled parts give the eager logits, taps and cache; after the first batch's graphs
+    and one recompile with symbolic sizes nothing compiles again (a batch's shape is new
+    every time in generation), and the decode steps keep their own graphs."""
+    from torch._dynamo.testing import CompileCounter
+
+    rng = random.Random(5)
+    eager, compiled = StaticLM(target, 4, 64, [1]), StaticLM(target, 4, 64, [1])
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled.compile_layers(counter, prefill=True)
+    frames = []
+    for r, width in ((2, 9), (3, 14), (4, 6), (2, 20), (3, 11)):
+        ids = torch.tensor([[rng.randrange(60) for _ in range(width)] for _ in range(r)])
+        positions = torch.arange(width)[None].expand(r, -1)
+        rows = torch.tensor(rng.sample(range(4), r))
+        (a, ta), (b, tb) = (
+            lm(ids, positions, rows=rows, kv_len=width, fresh=True) for lm in (eager, compiled)
+        )
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tb, ta, rtol=1e-5, atol=1e-5)
+        frames.append(counter.frame_count)
+    for x, y in zip(eager.keys + eager.values, compiled.keys + compiled.values, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    # project and finish for the first shape, then symbolic (the sliding kinds' mixed layers
+    # cost finish one more graph); the batches after the second compile nothing
+    assert frames[0] == 2 and frames[1] <= 5 and frames[-1] == frames[1]
+    tokens, positions = torch.tensor([[3], [4], [5], [6]]), torch.full((4, 1), 20)
+    (a, _), (b, _) = (lm(tokens, positions, kv_len=32) for lm in (eager, compiled))
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == frames[-1] + 2  # + the decode step's own two
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
 def test_a_fresh_prefill_attends_within_the_call_and_fills_the_same_cache(target) -> None:
     """`fresh=True` (prompts from position 0, right-padded: the slot decoder's prefill) runs
     causal attention on the call's own K/V (flash kernels on CUDA) instead of a dense mask
