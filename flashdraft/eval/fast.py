@@ -284,7 +284,15 @@ class StaticDecoder:
         """Compile and capture now (otherwise the first decode does)."""
         if self._graph is not None:
             return
-        with torch.no_grad(), preserved([self.bonus, self.start, self.out]):
+        # Every cache size compiles the target forward again (twice: B tokens and 1), and
+        # past dynamo's default of 8 entries fullgraph is a hard error: `cache_slots` keeps
+        # the sizes few, this the error away from a process that evaluates many prompt sets.
+        limit = max(64, torch._dynamo.config.recompile_limit)
+        with (
+            torch.no_grad(),
+            preserved([self.bonus, self.start, self.out]),
+            torch._dynamo.config.patch(recompile_limit=limit),
+        ):
             # Any in-range position will do: what warm-up writes is overwritten before use.
             self.start.zero_()
             if self.graphs:

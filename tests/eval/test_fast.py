@@ -230,6 +230,15 @@ def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
         outputs.append((spec.decode(prompt, 24).output_ids, base.decode(prompt, 24).output_ids))
     assert counter.frame_count == 2
     assert all(s == b for s, b in outputs)  # T = 0: the speculative loop equals the baseline
+    # Sizes past dynamo's default limit (8 entries: five sizes x two graphs) still compile
+    # instead of failing (fullgraph makes the limit a hard error).
+    for slots in (64, 128, 192, 256, 320):
+        lm = StaticLM(target, 1, slots, list(drafter.config.target_layer_ids))
+        kw = dict(max_len=slots, graphs=False, compile_backend=counter, lm=lm)
+        spec = StaticDecoder(target, drafter=drafter, head=head, block_size=4, **kw)
+        base = StaticDecoder(target, **kw)
+        assert spec.decode(PROMPT, 8).output_ids == base.decode(PROMPT, 8).output_ids
+    assert counter.frame_count == 12
     torch._dynamo.reset()
 
 
