@@ -73,8 +73,14 @@ decode)
     tests/data/test_fast_inference.py tests/eval/test_evaluate.py
   # batch-1 decode: HF eager vs static (eager kernels / graphs / compiled + graphs), B=16 loop
   run eval_speed 110 python3 bench/eval.py --speed
-  # batch 256, 128 new tokens, 512 prompts of 32..512 tokens: HF generate vs static slots
-  run generate 90 python3 bench/generate.py --synthetic
+  # the issue's generate row: 256 slots, 128 new tokens, 1,024 prompts of 32..512 tokens,
+  # compiled decode parts (`generate`'s CUDA default), without and with the prefill's
+  # (2026-12-03: 36.1K tok/s without; HF generate: 5.8K on this bench)
+  GEN="--synthetic --backends static --prompts 1024 --batch-size 256 --max-new-tokens 128"
+  # shellcheck disable=SC2086  # GEN is a list of flags
+  run generate 60 python3 bench/generate.py $GEN --compile
+  # shellcheck disable=SC2086
+  run generate_prefill 60 python3 bench/generate.py $GEN --compile --compile-prefill
   ;;
 train)
   # first in a fresh machine, so that it is the cold-cache number (goal: <= 60 s)
