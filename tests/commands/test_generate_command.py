@@ -16,7 +16,8 @@ from flashdraft.data.inference import Sampling
 FLAGS = [
     "--target", "--prompts", "--output", "--thinking", "--turns", "--temperature", "--top-p",
     "--top-k", "--max-new-tokens", "--batch-size", "--max-batch-tokens", "--static-attention",
-    "--no-static-compile", "--static-min-admit", "--sort-window", "--limit", "--seed", "--shard", "--stop-token-ids", "--backend", "--device", "--dtype",
+    "--no-static-compile", "--static-compile-prefill", "--static-min-admit", "--sort-window",
+    "--limit", "--seed", "--shard", "--stop-token-ids", "--backend", "--device", "--dtype",
     "--vllm-kwargs", "--no-progress", "--keep-truncated",
 ]  # fmt: skip
 REQUIRED = ["--target", "t", "--prompts", "p.jsonl", "--output", "o.jsonl"]
