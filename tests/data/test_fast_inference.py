@@ -210,32 +210,15 @@ def test_compiled_prefill_and_steps_keep_every_token(model, prompts) -> None:
 
 
 @pytest.mark.gpu
-def test_compiled_prefill_slots_equal_the_eager_ones_on_cuda(prompts) -> None:
-    """Inductor's prefill and decode parts, graphed steps: the eager loop's tokens."""
-    model = tiny_llama(initializer_range=0.3).cuda()
-    outputs = []
-    for compiled in (False, True):
-        decoder = SlotDecoder(
-            model,
-            5,
-            cache_length(20, NEW, 4),
-            max_new_tokens=NEW,
-            stop_ids=STOP,
-            sync_every=4,
-            prefill_tokens=40,
-            graphs=compiled,
-            compile_backend="inductor" if compiled else None,
-            compile_prefill=compiled,
-        )
-        outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
-    assert outputs[0] == outputs[1]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention) -> None:
-    """Graphed steps (compiled flex for "flex") give the eager sdpa steps' tokens; prompts
-    of up to 150 tokens put the slots in different flex blocks."""
+@pytest.mark.parametrize(
+    ("attention", "compiled"),
+    [("sdpa", False), ("flex", False), ("sdpa", True)],
+    ids=["sdpa", "flex", "sdpa-compiled-prefill"],
+)
+def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled) -> None:
+    """Graphed steps (compiled flex for "flex"; inductor's decode and prefill parts for
+    "compiled") give the eager sdpa steps' tokens; prompts of up to 150 tokens put the slots
+    in different flex blocks."""
     model = tiny_llama(initializer_range=0.3).cuda()
     rng = random.Random(3)
     prompts = prompts + [[rng.randrange(60) for _ in range(n)] for n in (120, 150)]
@@ -250,6 +233,8 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention) -> None:
             sync_every=4,
             graphs=graphs,
             attention=kind,
+            compile_backend="inductor" if graphs and compiled else None,
+            compile_prefill=graphs and compiled,
         )
         outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
     assert outputs[0] == outputs[1]
