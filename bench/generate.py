@@ -237,6 +237,9 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
                 "buckets": args.buckets if name == "static" else "-",
                 "attention": args.attention if name == "static" else "-",
                 "compiled": args.compile if name == "static" else "-",
+                "prefill compiled": args.compile and args.compile_prefill
+                if name == "static"
+                else "-",
                 "new tokens": new,
                 "generated": tokens,
                 "s": round(seconds, 2),
