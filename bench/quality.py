@@ -867,7 +867,7 @@ def compare(config: QualityConfig) -> dict[str, Any]:
     md = bench / f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_compare.md"
     command = " ".join(["python", *sys.argv])
     md.write_text(
-        f"# Runs side by side: held-out tau at T = 0 ({env['date']})\n\nCommand: `{command}`  \n"
+        f"# Runs side by side: held-out tau ({env['date']})\n\nCommand: `{command}`  \n"
         f"Commit `{env.get('commit')}`; every run of `{out}`, same data and eval.\n\n{table}"
     )
     log.info(table)

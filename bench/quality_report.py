@@ -308,6 +308,7 @@ def run_row(out: Path, run: str) -> dict[str, Any]:
     return {
         "name": run,
         "evals": summary["evals"],
+        "sampled": summary["sampled"],
         "steps": metrics[-1]["step"] if metrics else None,
         "step_ms": None if step_s is None else step_s * 1e3,
         "recipe": recipe,
@@ -320,14 +321,15 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
     if not report_path.exists():
         return None
     report = json.loads(report_path.read_text())
-    evals = {}
-    for kind in KINDS:
-        path = folder / "eval" / f"{kind}.json"
-        evals[kind] = json.loads(path.read_text()) if path.exists() else None
+    def read(name: str) -> dict[str, Any] | None:
+        path = folder / "eval" / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
     steps = report.get("steps")
     return {
         "name": f"peer: speculators {report.get('peer_version', '?')}",
-        "evals": evals,
+        "evals": {kind: read(kind) for kind in KINDS},
+        "sampled": {kind: read(f"{kind}_t1") for kind in KINDS},
         "steps": steps,
         "step_ms": report["train_s"] / steps * 1e3 if steps and report.get("train_s") else None,
         "recipe": {"recipe": "speculators' own (Muon, D-PACE, linear schedule)"},
@@ -400,7 +402,23 @@ def _result(prompt: dict[str, Any]) -> DecodeResult:
 def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
     """`compare_table` of the runs and the peer; when any output ends in a repetition loop
     (the target's own: easy to draft, it lifts tau), the same table again over the text
-    before the loops (`before_loops`)."""
+    before the loops (`before_loops`); and when any ran at T = 1 (rejection sampling,
+    `KIND_t1.json`), the table of those evals."""
+    return _before_loops_tables(rows, peer) + _sampled_table(rows, peer)
+
+
+def _sampled_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
+    def sampled(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "evals": row.get("sampled") or {}}
+
+    runs = [sampled(r) for r in rows]
+    theirs = None if peer is None else sampled(peer)
+    if not any(e for r in [*runs, theirs] if r for e in r["evals"].values()):
+        return ""
+    return "\nAt T = 1 (rejection sampling):\n\n" + compare_table(runs, theirs)
+
+
+def _before_loops_tables(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
     table = compare_table(rows, peer)
 
     def cut(row: dict[str, Any]) -> dict[str, Any]:

@@ -484,6 +484,12 @@ def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: Modul
     assert "| 2.429 | — | — | 1.43" in second  # (17/7) / (17/10) before the loops
     without = report.render_compare([row("mine", {"chat": {"tau": 2.0}})], None)
     assert "Over the text before" not in without  # nothing loops: one table
+    assert "T = 1" not in table + without  # no sampled evals: no T = 1 table
+    sampled = row("mine", {"chat": {"tau": 2.0}})
+    sampled["sampled"] = {"chat": {"tau": 1.5}}
+    peer["sampled"] = {"chat": {"tau": 1.2}}
+    table = report.render_compare([sampled], peer)
+    assert "At T = 1" in table and "| 1.500 | — | — | 1.25" in table.split("At T = 1")[1]
 
 
 def test_a_run_on_data_with_untrained_loops_reports_that_data(
