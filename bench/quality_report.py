@@ -321,6 +321,7 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
     if not report_path.exists():
         return None
     report = json.loads(report_path.read_text())
+
     def read(name: str) -> dict[str, Any] | None:
         path = folder / "eval" / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
