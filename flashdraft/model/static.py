@@ -136,8 +136,8 @@ def _finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
 # The same parts for prefill calls, as functions of their own: dynamo keeps its compiled
 # entries (and its automatic-dynamic record of which sizes changed) per code object, so the
 # prefill graphs (their token count changes with every batch: dynamic after the first) and
-# the decode steps' (static shapes, captured) stay apart. `StaticLM._flat_parts` calls them
-# on the batch's tokens as one row, [1, R*n, H]: a batch of one row or of one-token prompts
+# the decode steps' (static shapes, captured) stay apart. `StaticLM.__call__` gives them the
+# batch's tokens as one row, [1, R*n, H] ("flat"): a batch of one row or of one-token prompts
 # would otherwise get graphs of its own (dynamo specializes sizes of 1).
 def _prefill_project(
     layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], shape: tuple[int, int, int]
@@ -328,8 +328,9 @@ class StaticLM:
 
         prefill: the other calls' parts too (prefill batches, verify blocks), on the call's
         tokens as one row: the first batch compiles for its token count, the second once
-        more with it symbolic, and that graph serves the rest. Eager, a 22 x 700 SmolLM2-135M prefill spent
-        ~15 of its 25 ms of GPU time in unfused elementwise kernels (norms, RoPE, SiLU;
+        more with it symbolic, and that graph serves the rest. Eager, a 22 x 700
+        SmolLM2-135M prefill spent ~15 of its 25 ms of GPU time in unfused elementwise
+        kernels (norms, RoPE, SiLU;
         `benchmarks/raw/small_targets_h200_20261201b/call5_prefill_profile.txt`)."""
         self._decode_parts = (
             torch.compile(_project, backend=backend, dynamic=False),
