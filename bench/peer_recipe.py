@@ -338,8 +338,9 @@ def train_peer(
                 f"step {step}/{plan.total_steps}: loss {record['loss']:.4f} "
                 f"acc {record['acc']:.3f} eal {record['eal']:.3f} lr {lr:.2e}"
             )
-            stop = step < plan.total_steps and out_of_time(config, SAVE_S)
+            # The first log record at or after each multiple of --save-every saves too.
             due = config.save_every and step % config.save_every < config.log_every
+            stop = step < plan.total_steps and out_of_time(config, SAVE_S)
             if stop or (due and step < plan.total_steps):
                 progress = {
                     "settings": settings,

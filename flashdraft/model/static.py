@@ -397,8 +397,9 @@ class StaticLM:
                 out = out.clone()  # sizes would enter the compiled part's guards
             x = finish(layer, x, out)
             if i in wanted:  # the z-lab convention: the output of decoder layer i (SPEC 3)
-                taps[i] = x.view(r, n, -1)
-        x = x.view(r, n, -1)
+                taps[i] = x.view(r, n, -1) if flat else x
+        if flat:
+            x = x.view(r, n, -1)
         if logits_at is not None:
             x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
         logits = self.lm_head(self.norm(x))
