@@ -5,9 +5,10 @@
 # decode and step times do not depend on the weights), and the GPU tests use tiny random
 # models or the tiny Qwen3 the test fixtures build from the transformers package alone.
 #
-#   bash bench/fast_session.sh decode   # one call, ~4-5 min: GPU tests of the static paths,
-#                                       #   decode ms/token (HF eager vs static, graphs, compiled),
-#                                       #   the speculative loop overhead, generate tok/s
+#   bash bench/fast_session.sh decode   # one call, ~7 min: GPU tests of the static paths,
+#                                       #   generate tok/s (its variants, and a profile)
+#   bash bench/fast_session.sh speed    # ~2 min: decode ms/token (HF eager vs static, graphs,
+#                                       #   compiled), the speculative loop overhead
 #   bash bench/fast_session.sh train    # a second call, ~6-7 min: the cold compile before the
 #                                       #   first step, the compiled-target GPU tests, the online
 #                                       #   step with a SmolLM2-shaped target and a 3-layer
@@ -20,7 +21,7 @@
 # (/tmp/torchinductor_root) survives between calls, so only the first compile is cold; the
 # `train` stage's first step is the cold-compile measurement only if it runs first.
 set -u
-stage=${1:?decode|train|train8b}
+stage=${1:?decode|speed|train|train8b}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -71,16 +72,27 @@ decode)
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
   run gpu_tests 150 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
     tests/data/test_fast_inference.py tests/eval/test_evaluate.py
+  # the issue's generate row: 256 slots, 128 new tokens, 1,024 prompts of 32..512 tokens,
+  # compiled decode parts (`generate`'s CUDA default); one graph per window, q/k/v and
+  # gate/up fused (2026-12-03: one graph per step, unfused: 36.1K tok/s; HF: 5.8K), then
+  # without fusing, the finer attention ladders, and the prefill's parts compiled too
+  GEN="--synthetic --backends static --prompts 1024 --batch-size 256 --max-new-tokens 128 --compile"
+  # shellcheck disable=SC2086  # GEN is a list of flags
+  run generate 60 python3 bench/generate.py $GEN
+  # shellcheck disable=SC2086
+  run generate_nofuse 60 python3 bench/generate.py $GEN --no-fuse
+  # shellcheck disable=SC2086
+  run generate_ladder 60 python3 bench/generate.py $GEN --buckets ladder
+  # shellcheck disable=SC2086
+  run generate_fine 60 python3 bench/generate.py $GEN --buckets fine
+  # shellcheck disable=SC2086
+  run generate_fine_prefill 60 python3 bench/generate.py $GEN --buckets fine --compile-prefill
+  # shellcheck disable=SC2086
+  run generate_profile 90 python3 bench/generate.py $GEN --buckets fine --compile-prefill --profile
+  ;;
+speed)
   # batch-1 decode: HF eager vs static (eager kernels / graphs / compiled + graphs), B=16 loop
   run eval_speed 110 python3 bench/eval.py --speed
-  # the issue's generate row: 256 slots, 128 new tokens, 1,024 prompts of 32..512 tokens,
-  # compiled decode parts (`generate`'s CUDA default), without and with the prefill's
-  # (2026-12-03: 36.1K tok/s without; HF generate: 5.8K on this bench)
-  GEN="--synthetic --backends static --prompts 1024 --batch-size 256 --max-new-tokens 128"
-  # shellcheck disable=SC2086  # GEN is a list of flags
-  run generate 60 python3 bench/generate.py $GEN --compile
-  # shellcheck disable=SC2086
-  run generate_prefill 60 python3 bench/generate.py $GEN --compile --compile-prefill
   ;;
 train)
   # first in a fresh machine, so that it is the cold-cache number (goal: <= 60 s)

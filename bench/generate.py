@@ -65,9 +65,15 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--buckets",
-        choices=("pow2", "ladder"),
+        choices=("pow2", "ladder", "fine"),
         default="pow2",
-        help="--synthetic: attention lengths of the static step: 128/192 x 2^i, or 128 x 2^i",
+        help="--synthetic: the static step's attention lengths: 128 x 2^i (pow2), two per "
+        "octave (ladder: + 384, 768, ...), four (fine: multiples of 128 up to 512, ...)",
+    )
+    parser.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="--synthetic: the static steps' q/k/v and gate/up projections as separate GEMMs",
     )
     parser.add_argument(
         "--attention",
@@ -184,7 +190,8 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
     lengths = torch.randint(low, high + 1, (count,), generator=gen)
     from flashdraft.data.fast_inference import PhaseTimes, SlotDecoder
 
-    SlotDecoder.bucket_bases = (128, 192) if args.buckets == "ladder" else (128,)
+    SlotDecoder.ladder_steps = {"pow2": 1, "ladder": 2, "fine": 4}[args.buckets]
+    SlotDecoder.fuse = not args.no_fuse
     prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
     sampling = Sampling(max_new_tokens=new)
     never = [vocab + 1]  # a stop id no token can be: every request runs to max_new_tokens
@@ -235,6 +242,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
                 "prompts": count,
                 "batch/slots": batch,
                 "buckets": args.buckets if name == "static" else "-",
+                "fused": not args.no_fuse if name == "static" else "-",
                 "attention": args.attention if name == "static" else "-",
                 "compiled": args.compile if name == "static" else "-",
                 "prefill compiled": args.compile and args.compile_prefill

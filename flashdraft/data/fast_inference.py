@@ -14,8 +14,8 @@ position) and `live` [S]:
 
     logits = lm(tok, pos) -> next = sample(logits) -> window[k] = next; tok = next; pos += live
 
-so on CUDA it is captured as CUDA graphs (one per window step k and attention length) and
-replayed K times in a row; the host reads the K x S window once (one sync per K steps),
+so on CUDA a window of K steps is captured as one CUDA graph per attention length and
+replayed once per window; the host reads the K x S window once (one sync per K steps),
 emits tokens, stops requests at a stop token or the length limit and refills free slots.
 A request that ends inside a window decodes a few more tokens into its own row, which are
 dropped; an idle slot decodes garbage at position 0 of its own row. Neither is ever visible
@@ -48,6 +48,22 @@ def cache_length(longest_prompt: int, max_new_tokens: int, sync_every: int) -> i
     `sync_every` steps past its end before the host sees it; rounded up to 128."""
     need = longest_prompt + max_new_tokens + sync_every
     return -(-need // _ATTENTION_BUCKET) * _ATTENTION_BUCKET
+
+
+def ladder_length(furthest: int, steps: int = 1) -> int:
+    """The smallest attention length above `furthest` on a ladder of multiples of 128 with
+    `steps` lengths per octave: 1 gives 128, 256, 512, ...; 2 adds 384, 768, 1536, ...; 4
+    gives 128, 256, 384, 512, 640, 768, 896, 1024, 1280, ..."""
+    if steps < 1:
+        raise ValueError(f"ladder steps must be at least 1, got {steps}")
+    octave = _ATTENTION_BUCKET
+    while 2 * octave <= furthest:
+        octave *= 2
+    if furthest < octave:  # below the first octave
+        return octave
+    # furthest in [octave, 2 * octave): the next of octave * (1 + j / steps), j = 1..steps
+    stride = -(-octave // (steps * _ATTENTION_BUCKET)) * _ATTENTION_BUCKET
+    return min(2 * octave, (furthest // stride + 1) * stride)
 
 
 @dataclass(slots=True)
@@ -97,8 +113,13 @@ class SlotDecoder:
     tokens (each request's decoding does not depend on its neighbours); graphs: capture the
     steps (default: on CUDA); attention: the steps' attention, "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
     compile the decode steps' dense layer parts first (`StaticLM.compile_layers`);
-    compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes).
+    compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes);
+    fuse: q/k/v and gate/up as one GEMM each (default: the class's `fuse`).
     """
+
+    # q/k/v and gate/up as one GEMM each (`StaticLM.fuse_projections`; a copy of those
+    # weights). A class attribute, so benches can time it off.
+    fuse: bool = True
 
     def __init__(
         self,
@@ -118,8 +139,11 @@ class SlotDecoder:
         attention: str = "sdpa",
         compile_backend: str | Callable[..., Any] | None = None,
         compile_prefill: bool = False,
+        fuse: bool | None = None,
     ) -> None:
         self.lm = StaticLM(model, slots, max_len, attention=attention)
+        if self.fuse if fuse is None else fuse:
+            self.lm.fuse_projections()
         if compile_backend is not None:
             self.lm.compile_layers(compile_backend, prefill=compile_prefill)
         self.slots, self.max_len, self.max_new = slots, max_len, max_new_tokens
@@ -137,7 +161,7 @@ class SlotDecoder:
         self.live = torch.zeros_like(self.tok)  # 1 where a slot holds a request
         self.seeds = torch.zeros_like(self.tok)  # each request's sampling seed
         self.window = torch.zeros(sync_every, slots, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[int, Any] = {}  # attention length -> the window's graph
         self._pool: Any = None
         self._state = [_Slot() for _ in range(slots)]
         self.times = PhaseTimes()
@@ -158,38 +182,46 @@ class SlotDecoder:
         self.tok.copy_(token)
         self.pos.add_(self.live)
 
-    def _run_step(self, k: int, kv_len: int) -> None:
-        if not self.graphs:
+    def _window_steps(self, kv_len: int) -> None:
+        for k in range(self.sync_every):
             self._step(k, kv_len)
+
+    def _run_window(self, kv_len: int) -> None:
+        """The window's K steps: eagerly, or as one CUDA graph per attention length (one
+        replay per window). Its warm-up is a single step (every step of a window has the
+        same shapes), so a capture costs ~K + 1 steps, not 3 per step as K graphs did."""
+        if not self.graphs:
+            self._window_steps(kv_len)
             return
-        graph = self._graphs.get((k, kv_len))
+        graph = self._graphs.get(kv_len)
         if graph is None:
             start = time.perf_counter()
-            # Warm-up writes K/V at each slot's current and next position: overwritten by
-            # the real steps before any query reads them.
+            # The warm-up and the capture write K/V at each slot's next positions (at most K
+            # past its current one, what a window writes anyway): overwritten by the real
+            # steps before any query reads them.
             with preserved([self.tok, self.pos, self.window]):
-                graph = capture(lambda: self._step(k, kv_len), pool=self._pool)
+                graph = capture(
+                    lambda: self._window_steps(kv_len),
+                    warm=lambda: self._step(0, kv_len),
+                    warmup=1,
+                    pool=self._pool,
+                )
             self._pool = graph.pool()
-            self._graphs[(k, kv_len)] = graph
+            self._graphs[kv_len] = graph
             self.times.capture_s += time.perf_counter() - start
         graph.replay()
 
-    # Attention reads the first kv_len slots of every row, kv_len = b * 2^i for a base b:
-    # each length is one set of graphs. Bases (128, 192) read at most 1.5x the slots the
-    # furthest request needs instead of 2x, but were slower end to end on an H200 (17.5K vs
-    # 19.9K tok/s, 2,048 prompts: the extra graph captures cost more than the reads saved;
-    # benchmarks/small_targets_h200_20261201.md), so powers of two stay the default.
-    bucket_bases: tuple[int, ...] = (128,)
+    # Attention reads the first kv_len slots of every row, kv_len from a ladder of lengths
+    # (multiples of 128): `ladder_steps` per octave, so a window reads at most 1 + 1/steps
+    # times the slots its furthest request needs. Each length is one graph to capture.
+    # 2026-12-01 (one graph per step then): steps 2 were slower end to end than powers of
+    # two on an H200 (17.5K vs 19.9K tok/s, 2,048 prompts; the captures cost more than the
+    # reads saved; benchmarks/small_targets_h200_20261201.md).
+    ladder_steps: int = 1
 
     def _attention_length(self, furthest: int) -> int:
-        """The smallest ladder length (at most L) that holds positions up to `furthest`."""
-        best = self.max_len
-        for base in self.bucket_bases:
-            length = base
-            while length <= furthest:
-                length *= 2
-            best = min(best, length)
-        return best
+        """The smallest ladder length (at most L) above `furthest`."""
+        return min(self.max_len, ladder_length(furthest, self.ladder_steps))
 
     # ---- prefill: new prompts into free slots ----
 
@@ -298,8 +330,7 @@ class SlotDecoder:
             furthest = max(self._state[s].position for s in active) + self.sync_every
             kv_len = self._attention_length(furthest)
             start = time.perf_counter()
-            for k in range(self.sync_every):
-                self._run_step(k, kv_len)
+            self._run_window(kv_len)
             window = self.window.tolist()  # the one host sync per window
             self.times.decode_s += time.perf_counter() - start
             self.times.steps += self.sync_every

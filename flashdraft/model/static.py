@@ -44,6 +44,7 @@ FLEX_BLOCK = 128  # K/V slots per flex block; cache rows are multiples of it
 _compiled_flex = torch.compile(flex_attention, dynamic=False)
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+FUSE_MAX_BYTES = 4 << 30  # `StaticLM.fuse_projections`: the most weight it copies
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -106,8 +107,19 @@ def _visible(slot: Tensor, position: Tensor, window: int | None) -> Tensor:
     return seen if window is None else seen & (position - slot < window)
 
 
+# The dense parts of a decoder layer, before and after attention. `fused` (optional): the
+# layer's q/k/v weights as one matrix (and bias) and its MLP's gate/up as one
+# (`StaticLM.fuse_projections`): two GEMMs where there were five, what a small target's
+# decode step (a few hundred tokens per GEMM: latency-bound) pays for.
+Fused = tuple[Tensor, Tensor | None, Tensor, Tensor | None]  # qkv weight, bias; gate_up, bias
+
+
 def _project(
-    layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], shape: tuple[int, int, int]
+    layer: Any,
+    fused: Fused | None,
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    shape: tuple[int, int, int],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer's input norm, q/k/v projections, per-head norms (Qwen3) and RoPE:
     x [R, n, H] -> q [R, Hq, n, D], k / v [R, Hkv, n, D]."""
@@ -115,9 +127,11 @@ def _project(
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     r, n, _ = h.shape
-    q = attn.q_proj(h).view(r, n, hq, d)
-    k = attn.k_proj(h).view(r, n, hkv, d)
-    v = attn.v_proj(h).view(r, n, hkv, d)
+    if fused is None:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    else:
+        q, k, v = F.linear(h, fused[0], fused[1]).split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(r, n, hq, d), k.view(r, n, hkv, d), v.view(r, n, hkv, d)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = rope[0][:, None], rope[1][:, None]
@@ -127,10 +141,14 @@ def _project(
     return q, k, v
 
 
-def _finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
+def _finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor) -> Tensor:
     """The rest of a decoder layer after attention: output projection, residual, MLP."""
     x = x + layer.self_attn.o_proj(attended)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    h = layer.post_attention_layernorm(x)
+    if fused is None:
+        return x + layer.mlp(h)
+    gate, up = F.linear(h, fused[2], fused[3]).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 # The same parts for prefill calls, as functions of their own: dynamo keeps its compiled
@@ -140,13 +158,31 @@ def _finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
 # batch's tokens as one row, [1, R*n, H] ("flat"): a batch of one row or of one-token prompts
 # would otherwise get graphs of its own (dynamo specializes sizes of 1).
 def _prefill_project(
-    layer: Any, x: Tensor, rope: tuple[Tensor, Tensor], shape: tuple[int, int, int]
+    layer: Any,
+    fused: Fused | None,
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    shape: tuple[int, int, int],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _project(layer, x, rope, shape)
+    return _project(layer, fused, x, rope, shape)
 
 
-def _prefill_finish(layer: Any, x: Tensor, attended: Tensor) -> Tensor:
-    return _finish(layer, x, attended)
+def _prefill_finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor) -> Tensor:
+    return _finish(layer, fused, x, attended)
+
+
+def _fusable(layer: Any) -> bool:
+    """Whether a layer's projections can be fused: Linear q/k/v and gate/up, each set with
+    biases on all or none, and an MLP computed as down(act(gate(x)) * up(x))."""
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    linear = [m for m in parts + gate_up if isinstance(m, nn.Linear)]
+    if len(linear) < len(parts + gate_up):
+        return False
+    if getattr(mlp, "down_proj", None) is None or not callable(getattr(mlp, "act_fn", None)):
+        return False
+    return all(len({m.bias is None for m in group}) == 1 for group in (linear[:3], linear[3:]))
 
 
 class StaticLM:
@@ -211,6 +247,7 @@ class StaticLM:
         self._flex = _compiled_flex if self.device.type == "cuda" else flex_attention
         self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (_project, _finish)
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        self._fused: list[Fused | None] = [None] * len(self.layers)
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -342,6 +379,34 @@ class StaticLM:
                 torch.compile(_prefill_finish, backend=backend),
             )
 
+    def fuse_projections(self, max_bytes: int = FUSE_MAX_BYTES) -> bool:
+        """Every layer's q/k/v weights as one matrix and its MLP's gate/up as one: copies (the
+        model's own parameters stay as they are), so it costs their memory once more, and it
+        is skipped (False) above `max_bytes` of copies or when a layer's layout differs
+        (`_fusable`). The results equal the unfused ones up to the GEMMs' rounding."""
+        if not all(_fusable(layer) for layer in self.layers):
+            return False
+        size = 0
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                size += m.weight.numel() * m.weight.element_size()
+        if size > max_bytes:
+            return False
+
+        def cat(modules: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+            weight = torch.cat([m.weight.detach() for m in modules])
+            biases = [m.bias for m in modules]
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            return weight, bias
+
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = cat([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = cat([mlp.gate_proj, mlp.up_proj])
+            self._fused[i] = (*qkv, *gate_up)
+        return True
+
     def __call__(
         self,
         ids: Tensor,
@@ -388,14 +453,14 @@ class StaticLM:
             project, finish = self._prefill_parts or (_project, _finish)
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
-            q, k, v = project(layer, x, rope, shape)
+            q, k, v = project(layer, self._fused[i], x, rope, shape)
             if flat:  # [1, h, R*n, D] -> [R, h, n, D] (views)
                 q, k, v = (a[0].unflatten(1, (r, n)).transpose(0, 1) for a in (q, k, v))
             mask = masks[self.windows[i]]
             out = self._attention(i, q, k, v, positions, mask, rows, kv_len, flat=flat)
             if flat and out._base is not None:  # a view (one-token prompts): its base's
                 out = out.clone()  # sizes would enter the compiled part's guards
-            x = finish(layer, x, out)
+            x = finish(layer, self._fused[i], x, out)
             if i in wanted:  # the z-lab convention: the output of decoder layer i (SPEC 3)
                 taps[i] = x.view(r, n, -1) if flat else x
         if flat:
@@ -453,16 +518,23 @@ def preserved(tensors: Sequence[Tensor]) -> Iterator[None]:
 
 
 @torch.no_grad()
-def capture(fn: Callable[[], object], *, warmup: int = 2, pool: Any = None) -> Any:
+def capture(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 2,
+    pool: Any = None,
+    warm: Callable[[], object] | None = None,
+) -> Any:
     """`fn` (no arguments: it reads and writes persistent tensors) as a `torch.cuda.CUDAGraph`
     whose `replay()` does what `fn()` does. Warm-up runs (cuBLAS workspaces, compilation,
-    allocator) happen on a side stream first; they execute `fn`, so callers wrap this in
-    `preserved(...)` for the state they care about."""
+    allocator) happen on a side stream first: `warmup` runs of `warm` (default `fn`; a
+    cheaper function that runs the same kernels, e.g. one step of a many-step `fn`). They
+    execute, so callers wrap this in `preserved(...)` for the state they care about."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            fn()
+            (warm or fn)()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     # thread_local: only this thread must not touch CUDA unsafely while capturing (a trainer

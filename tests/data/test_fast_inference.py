@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from flashdraft.data.fast_inference import SlotDecoder, cache_length
+from flashdraft.data.fast_inference import SlotDecoder, cache_length, ladder_length
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP = {5, 17, 42}
@@ -145,26 +145,43 @@ def test_prompts_must_fit_the_cache(model) -> None:
 
 def test_attention_reads_the_smallest_ladder_length_that_holds_every_position(model) -> None:
     decoder = SlotDecoder(model, 1, 1024, max_new_tokens=8)
-    furthest = [0, 127, 128, 191, 192, 255, 256, 383, 384, 767, 768, 1000, 5000]
+    furthest = [0, 127, 128, 191, 192, 255, 256, 383, 384, 511, 512, 767, 768, 1000, 5000]
     lengths = [decoder._attention_length(f) for f in furthest]
-    assert lengths == [128, 128, 256, 256, 256, 256, 512, 512, 512, 1024, 1024, 1024, 1024]
-    decoder.bucket_bases = (128, 192)  # the finer ladder (bench/generate.py --buckets ladder)
+    assert lengths == [128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 1024, 1024] + [1024] * 3
+    decoder.ladder_steps = 2  # bench/generate.py --buckets ladder
     lengths = [decoder._attention_length(f) for f in furthest]
-    assert lengths == [128, 128, 192, 192, 256, 256, 384, 384, 512, 768, 1024, 1024, 1024]
+    assert (
+        lengths == [128, 128, 256, 256, 256, 256, 384, 384, 512, 512, 768, 768, 1024] + [1024] * 2
+    )
+    decoder.ladder_steps = 4  # --buckets fine
+    lengths = [decoder._attention_length(f) for f in furthest]
+    assert lengths == [128, 128, 256, 256, 256, 256, 384, 384, 512, 512, 640, 768, 896] + [1024] * 2
+    # above an octave of 1024 the stride is 256, and every length is a multiple of 128
+    assert [ladder_length(f, 4) for f in (1024, 1279, 1280, 2047, 2048)] == [
+        1280,
+        1280,
+        1536,
+        2048,
+        2560,
+    ]
+    assert all(ladder_length(f, s) % 128 == 0 for f in range(0, 5000, 7) for s in (1, 2, 3, 4))
+    assert all(ladder_length(f, s) > f for f in range(0, 5000, 7) for s in (1, 2, 3, 4))
+    with pytest.raises(ValueError, match="at least 1"):
+        ladder_length(10, 0)
 
 
 def test_greedy_across_attention_lengths_equals_each_prompt_alone(model) -> None:
-    # Prompts of 110..200 tokens and 24 new ones, one at a time, on the finer ladder: 128, 192
-    # and 256 slots read.
+    # Prompts of 110..250 tokens and 24 new ones, one at a time, on the fine ladder: 128, 256
+    # and 384 slots read.
     rng = random.Random(2)
-    prompts = [[rng.randrange(60) for _ in range(n)] for n in (110, 160, 200)]
-    decoder = SlotDecoder(model, 1, cache_length(200, NEW, 4), max_new_tokens=NEW, sync_every=4)
-    decoder.bucket_bases = (128, 192)
+    prompts = [[rng.randrange(60) for _ in range(n)] for n in (110, 200, 250)]
+    decoder = SlotDecoder(model, 1, cache_length(250, NEW, 4), max_new_tokens=NEW, sync_every=4)
+    decoder.ladder_steps = 4
     seen: set[int] = set()
-    step = decoder._run_step
-    decoder._run_step = lambda k, kv_len: (seen.add(kv_len), step(k, kv_len))[1]  # type: ignore[method-assign]
+    window = decoder._run_window
+    decoder._run_window = lambda kv_len: (seen.add(kv_len), window(kv_len))[1]  # type: ignore[method-assign]
     out = decoder.generate(prompts, [0, 1, 2])
-    assert seen == {128, 192, 256}
+    assert seen == {128, 256, 384}
     assert out == [greedy_alone(model, p, stop=set()) for p in prompts]
 
 
@@ -216,9 +233,9 @@ def test_compiled_prefill_and_steps_keep_every_token(model, prompts) -> None:
     ids=["sdpa", "flex", "sdpa-compiled-prefill"],
 )
 def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled) -> None:
-    """Graphed steps (compiled flex for "flex"; inductor's decode and prefill parts for
-    "compiled") give the eager sdpa steps' tokens; prompts of up to 150 tokens put the slots
-    in different flex blocks."""
+    """Graphed windows with fused projections (compiled flex for "flex"; inductor's decode
+    and prefill parts for "compiled") give the eager, unfused sdpa steps' tokens; prompts of
+    up to 150 tokens put the slots in different flex blocks."""
     model = tiny_llama(initializer_range=0.3).cuda()
     rng = random.Random(3)
     prompts = prompts + [[rng.randrange(60) for _ in range(n)] for n in (120, 150)]
@@ -235,6 +252,7 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled
             attention=kind,
             compile_backend="inductor" if graphs and compiled else None,
             compile_prefill=graphs and compiled,
+            fuse=graphs,  # the reference: separate projections, eager steps
         )
         outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
     assert outputs[0] == outputs[1]

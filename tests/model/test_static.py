@@ -213,6 +213,67 @@ def test_compiled_prefill_parts_give_the_eager_prefill_in_few_graphs(target) -> 
     torch._dynamo.reset()
 
 
+def tiny_qwen2() -> torch.nn.Module:
+    """Qwen2: biases on q/k/v (fused with the weights)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", [*KINDS, "qwen2"])
+def test_fused_projections_give_the_unfused_logits_taps_and_cache(kind) -> None:
+    """`fuse_projections`: q/k/v and gate/up as one GEMM each, eagerly and through the
+    compiled parts, give the separate projections' prefill and decode steps; the model's
+    own parameters are untouched; too large a copy or an unknown layout is refused."""
+    from torch._dynamo.testing import CompileCounter
+
+    target = tiny_qwen2() if kind == "qwen2" else tiny_target(kind)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    plain, fused, compiled = (StaticLM(target, 2, 64, [1]) for _ in range(3))
+    assert fused.fuse_projections() and compiled.fuse_projections()
+    if kind == "qwen2":
+        assert fused._fused[0] is not None and fused._fused[0][1] is not None  # the biases
+    torch._dynamo.reset()
+    compiled.compile_layers(CompileCounter(), prefill=True)
+    prompt = torch.tensor([PROMPT, PROMPT[::-1]])
+    n = prompt.shape[1]
+    lms = (plain, fused, compiled)
+    outs = [lm(prompt, torch.arange(n)[None].expand(2, -1), fresh=True, kv_len=n) for lm in lms]
+    tokens, positions = outs[0][0][:, -1:].argmax(-1), torch.full((2, 1), n)
+    for step in range(6):
+        steps = [lm(tokens, positions + step, kv_len=32) for lm in lms]
+        outs += steps
+        tokens = steps[0][0].argmax(-1)
+    for i in range(0, len(outs), 3):
+        (a, ta), *others = outs[i : i + 3]
+        for b, tb in others:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tb, ta, rtol=1e-5, atol=1e-5)
+    for x, y in zip(plain.keys + plain.values, fused.keys + fused.values, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    after = target.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    torch._dynamo.reset()
+    assert not StaticLM(target, 1, 64).fuse_projections(max_bytes=1000)
+    target.model.layers[0].mlp.up_proj = torch.nn.Identity()  # not a Linear: no fusing
+    assert not StaticLM(target, 1, 64).fuse_projections()
+
+
 @torch.no_grad()
 def test_a_fresh_prefill_attends_within_the_call_and_fills_the_same_cache(target) -> None:
     """`fresh=True` (prompts from position 0, right-padded: the slot decoder's prefill) runs
