@@ -66,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--buckets",
         choices=("pow2", "ladder", "fine"),
-        default="pow2",
+        default="fine",
         help="--synthetic: the static step's attention lengths: 128 x 2^i (pow2), two per "
         "octave (ladder: + 384, 768, ...), four (fine: multiples of 128 up to 512, ...)",
     )
@@ -77,9 +77,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--attention",
-        choices=("sdpa", "flex"),
+        choices=("sdpa", "flex", "varlen"),
         default="sdpa",
-        help="--synthetic: the static step's attention (flex: each slot reads its own blocks)",
+        help="--synthetic: the static step's attention (flex: each slot reads its own blocks; "
+        "varlen: the flash kernel over each slot's own positions, one graph for all lengths)",
     )
     parser.add_argument(
         "--compile",

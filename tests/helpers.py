@@ -234,3 +234,21 @@ def tiny_target(kind: str) -> torch.nn.Module:
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     return model.eval().requires_grad_(False)
+
+
+def emulated_flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, used_k, scale):
+    """What `flashdraft.model.static._flash_varlen` computes (FA2's varlen forward with
+    `seqused_k`), one sequence at a time on any device: queries cu_q[s]..cu_q[s+1] attend,
+    unmasked, to keys cu_k[s]..cu_k[s] + used_k[s]; the rest of a span is never read (here
+    it is poisoned with NaN first, so a read would show)."""
+    out = torch.empty_like(query)
+    key, value = key.clone(), value.clone()
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, used = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(used_k[s])
+        assert q1 - q0 <= max_q and used <= int(cu_k[s + 1]) - k0 <= max_k
+        key[k0 + used : int(cu_k[s + 1])] = float("nan")
+        q = query[q0:q1].transpose(0, 1)  # [H, n, D]
+        k, v = (t[k0 : k0 + used].transpose(0, 1) for t in (key, value))
+        weights = torch.softmax((q @ k.transpose(1, 2)) * scale, dim=-1)
+        out[q0:q1] = (weights @ v).transpose(0, 1)
+    return out

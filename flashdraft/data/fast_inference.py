@@ -111,7 +111,9 @@ class SlotDecoder:
     batch; min_admit: new prompts wait until this many slots are free (or the queue holds
     fewer, or no slot is busy): fewer, larger prefill batches for some idle slots, the same
     tokens (each request's decoding does not depend on its neighbours); graphs: capture the
-    steps (default: on CUDA); attention: the steps' attention, "sdpa" or "flex" (`StaticLM`: each slot reads only its own K/V blocks); compile_backend:
+    steps (default: on CUDA); attention: the steps' attention, "sdpa", "flex" (each slot
+    reads only its own K/V blocks) or "varlen" (only its own slots; see `StaticLM`);
+    compile_backend:
     compile the decode steps' dense layer parts first (`StaticLM.compile_layers`);
     compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes);
     fuse: q/k/v and gate/up as one GEMM each (default: the class's `fuse`).
@@ -217,10 +219,16 @@ class SlotDecoder:
     # 2026-12-01 (one graph per step then): steps 2 were slower end to end than powers of
     # two on an H200 (17.5K vs 19.9K tok/s, 2,048 prompts; the captures cost more than the
     # reads saved; benchmarks/small_targets_h200_20261201.md).
-    ladder_steps: int = 1
+    # 2026-12-03, one graph per window: 4 steps per octave against 1, 4,096 prompts at
+    # batch 256: 53.3K vs 46.9K tok/s (3.03 vs 3.40 ms per step; the captures, ~0.7 vs
+    # ~0.3 s, are paid once per process; benchmarks/small_targets_h200_20261203_s16.md).
+    ladder_steps: int = 4
 
     def _attention_length(self, furthest: int) -> int:
-        """The smallest ladder length (at most L) above `furthest`."""
+        """The smallest ladder length (at most L) above `furthest`; L when each step reads
+        only its rows' own slots anyway (attention="varlen"): one graph for every length."""
+        if self.lm.steps_read_own_slots:
+            return self.max_len
         return min(self.max_len, ladder_length(furthest, self.ladder_steps))
 
     # ---- prefill: new prompts into free slots ----

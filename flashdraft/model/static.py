@@ -171,6 +171,67 @@ def _prefill_finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor
     return _finish(layer, fused, x, attended)
 
 
+ATTENTIONS = ("sdpa", "flex", "varlen")
+
+
+def _flash_varlen(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    used_k: Tensor,
+    scale: float,
+) -> Tensor:
+    """Flash attention over packed sequences [T, H, D]: sequence s is queries cu_q[s] ..
+    cu_q[s+1] and keys cu_k[s] .. cu_k[s] + used_k[s] (the rest of its span is not read),
+    no mask within it. torch's FA2 varlen forward (its `seqused_k`); CUDA, half precision.
+    A module-level name, so CPU tests can stand in an emulation of these semantics."""
+    out = torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+        scale=scale, seqused_k=used_k,
+    )[0]  # fmt: skip
+    return out
+
+
+class _OwnSlots:
+    """A decode step's attention plan for the full layers under attention="varlen": each
+    (row, K/V head) is one flash sequence of its G query heads over the row's own slots."""
+
+    def __init__(self, positions: Tensor, num_kv_heads: int, group: int, max_len: int) -> None:
+        rows = positions.shape[0]
+        seqs = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32, device=positions.device)
+        self.cu_q, self.cu_k = seqs * group, seqs * max_len
+        # slots 0..position of each row, for each of its K/V heads
+        self.used = (positions[:, 0] + 1).to(torch.int32).repeat_interleave(num_kv_heads)
+
+
+def _own_slots_attention(
+    q: Tensor, keys: Tensor, values: Tensor, plan: _OwnSlots, scale: float
+) -> Tensor:
+    """q [R, Hq, 1, D]; keys / values: a layer's whole cache [R, Hkv, L, D] -> [R, 1, Hq*D].
+    Query head h = kv * G + g (as HF's repeat_kv), so the G heads of K/V head kv are the G
+    query rows of sequence (r, kv), and the cache's [R, Hkv, L, D] layout is already the
+    packed one ([R*Hkv*L, 1, D]): nothing is copied but q."""
+    r, hq, _, d = q.shape
+    _, hkv, length, _ = keys.shape
+    group = hq // hkv
+    out = _flash_varlen(
+        q.reshape(r * hq, 1, d),
+        keys.view(r * hkv * length, 1, d),
+        values.view(r * hkv * length, 1, d),
+        plan.cu_q,
+        plan.cu_k,
+        group,
+        length,
+        plan.used,
+        scale,
+    )
+    return out.view(r, 1, hq * d)
+
+
 def _fusable(layer: Any) -> bool:
     """Whether a layer's projections can be fused: Linear q/k/v and gate/up, each set with
     biases on all or none, and an MLP computed as down(act(gate(x)) * up(x))."""
@@ -207,7 +268,11 @@ class StaticLM:
         """attention: "sdpa" (a boolean mask over the first kv_len slots of every row), or
         "flex" for one-token steps of every row (decoding): flex_attention with a block mask
         that reads only the 128-slot blocks up to each row's own position (the K/V of a
-        short request is not read up to the longest one's); other calls use sdpa."""
+        short request is not read up to the longest one's); or "varlen" for one-token steps
+        of every row: on the full-attention layers, the flash kernel over each row's own
+        slots 0..position (`_own_slots_attention`: no mask, nothing above a row's position
+        read, one shape for every length; CUDA, half precision; elsewhere it runs sdpa);
+        other calls use sdpa."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"static decoding does not support this target: {reason}")
@@ -237,8 +302,8 @@ class StaticLM:
         self.keys = [self._zeros(shape) for _ in self.layers]
         self.values = [self._zeros(shape) for _ in self.layers]
         self._slots = torch.arange(max_len, device=self.device)
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention {attention!r}: sdpa or flex")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
         if attention == "flex" and max_len % FLEX_BLOCK:
             raise ValueError(f"flex decoding needs rows of a multiple of {FLEX_BLOCK} slots")
         self.attention = attention
@@ -248,6 +313,21 @@ class StaticLM:
         self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (_project, _finish)
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         self._fused: list[Fused | None] = [None] * len(self.layers)
+
+    # Whether `_flash_varlen` runs here (tests set it to run their emulation on CPU).
+    flash_anywhere: bool = False
+
+    def _flash_ok(self) -> bool:
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        return self.flash_anywhere or (self.device.type == "cuda" and half)
+
+    @property
+    def steps_read_own_slots(self) -> bool:
+        """Whether a one-token step of every row reads only each row's slots 0..position on
+        every layer (attention="varlen", full-attention layers only): its cost does not
+        depend on `kv_len`, so decoders can run every step at one length (one graph)."""
+        full = all(w is None for w in self.windows)
+        return self.attention == "varlen" and full and self._flash_ok()
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -307,7 +387,7 @@ class StaticLM:
         k: Tensor,
         v: Tensor,
         positions: Tensor,
-        mask: Tensor | BlockMask | None,
+        mask: Tensor | BlockMask | _OwnSlots | None,
         rows: Tensor | None,
         kv_len: int,
         *,
@@ -336,6 +416,8 @@ class StaticLM:
             with sdpa_kernel(_NO_CUDNN):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.transpose(1, 2).reshape(out_shape)
+        if isinstance(mask, _OwnSlots):  # the whole cache: the plan bounds each row
+            return _own_slots_attention(q, keys, values, mask, self.scale)
         if rows is None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
         else:
@@ -443,6 +525,13 @@ class StaticLM:
                 masks |= {w: windowed[w] for w in masked}
         elif self.attention == "flex" and rows is None and n == 1:
             masks = self._block_masks(positions, kv_len)
+        elif self.attention == "varlen" and rows is None and n == 1 and self._flash_ok():
+            windows = [w for w in set(self.windows) if w is not None]
+            plan = _OwnSlots(
+                positions, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.max_len
+            )
+            sliding: dict[int | None, Any] = self._masks(positions, kv_len) if windows else {}
+            masks = {**sliding, None: plan}
         else:
             masks = self._masks(positions, kv_len)
         wanted = set(self.tap_ids)

@@ -145,6 +145,8 @@ def test_prompts_must_fit_the_cache(model) -> None:
 
 def test_attention_reads_the_smallest_ladder_length_that_holds_every_position(model) -> None:
     decoder = SlotDecoder(model, 1, 1024, max_new_tokens=8)
+    assert decoder.ladder_steps == 4  # the default (benchmarks/small_targets_h200_20261203_s16.md)
+    decoder.ladder_steps = 1  # bench/generate.py --buckets pow2
     furthest = [0, 127, 128, 191, 192, 255, 256, 383, 384, 511, 512, 767, 768, 1000, 5000]
     lengths = [decoder._attention_length(f) for f in furthest]
     assert lengths == [128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 1024, 1024] + [1024] * 3
@@ -229,13 +231,14 @@ def test_compiled_prefill_and_steps_keep_every_token(model, prompts) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("attention", "compiled"),
-    [("sdpa", False), ("flex", False), ("sdpa", True)],
-    ids=["sdpa", "flex", "sdpa-compiled-prefill"],
+    [("sdpa", False), ("flex", False), ("sdpa", True), ("varlen", False), ("varlen", True)],
+    ids=["sdpa", "flex", "sdpa-compiled-prefill", "varlen", "varlen-compiled-prefill"],
 )
 def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled) -> None:
-    """Graphed windows with fused projections (compiled flex for "flex"; inductor's decode
-    and prefill parts for "compiled") give the eager, unfused sdpa steps' tokens; prompts of
-    up to 150 tokens put the slots in different flex blocks."""
+    """Graphed windows with fused projections (compiled flex for "flex"; the flash kernel
+    for "varlen", one graph for every length; inductor's decode and prefill parts for
+    "compiled") give the eager, unfused sdpa steps' tokens; prompts of up to 150 tokens put
+    the slots in different flex blocks."""
     model = tiny_llama(initializer_range=0.3).cuda()
     rng = random.Random(3)
     prompts = prompts + [[rng.randrange(60) for _ in range(n)] for n in (120, 150)]
@@ -257,6 +260,29 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled
         outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
     assert outputs[0] == outputs[1]
     assert outputs[0] == [greedy_alone(model, p) for p in prompts]
+
+
+def test_varlen_slots_equal_each_prompt_alone_at_one_attention_length(
+    model, prompts, monkeypatch
+) -> None:
+    """attention="varlen" (the flash kernel's CPU emulation): every window runs at the
+    cache's whole length, one graph for all, and each prompt keeps its own greedy tokens."""
+    from helpers import emulated_flash_varlen
+
+    import flashdraft.model.static as static
+
+    monkeypatch.setattr(static, "_flash_varlen", emulated_flash_varlen)
+    monkeypatch.setattr(static.StaticLM, "flash_anywhere", True)
+    length = cache_length(max(len(p) for p in prompts), NEW, 4)
+    decoder = SlotDecoder(
+        model, 5, length, max_new_tokens=NEW, stop_ids=STOP, sync_every=4, attention="varlen"
+    )
+    seen: set[int] = set()
+    window = decoder._run_window
+    decoder._run_window = lambda kv_len: (seen.add(kv_len), window(kv_len))[1]  # type: ignore[method-assign]
+    out = decoder.generate(prompts, list(range(len(prompts))))
+    assert seen == {length}
+    assert out == [greedy_alone(model, p) for p in prompts]
 
 
 def test_flex_slots_equal_each_prompt_alone(model, prompts) -> None:

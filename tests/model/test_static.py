@@ -151,6 +151,60 @@ def test_flex_decoding_steps_equal_the_sdpa_ones(target) -> None:
         torch.testing.assert_close(tb, ta, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture
+def emulated_flash(monkeypatch):
+    """attention="varlen" on CPU: the flash kernel's call stood in by its emulation."""
+    from helpers import emulated_flash_varlen
+
+    import flashdraft.model.static as static
+
+    monkeypatch.setattr(static, "_flash_varlen", emulated_flash_varlen)
+    monkeypatch.setattr(static.StaticLM, "flash_anywhere", True)
+
+
+@torch.no_grad()
+def test_varlen_decoding_steps_equal_the_sdpa_ones(target, emulated_flash) -> None:
+    """attention="varlen" (full layers: each (row, K/V head) one flash sequence of its G
+    query heads over the row's own slots; sliding layers keep the mask) gives the sdpa
+    steps' logits and taps, rows at different positions; slots above a row's position hold
+    stale K/V (a longer earlier prompt) that must stay unread."""
+    rng = random.Random(6)
+    lengths = [3, 40, 17]
+    prompts = [[rng.randrange(60) for _ in range(n)] for n in lengths]
+    stale = torch.tensor([[rng.randrange(60) for _ in range(60)]] * 3)
+    lms = {a: StaticLM(target, 3, 128, [1], attention=a) for a in ("sdpa", "varlen")}
+    outputs = {}
+    for name, lm in lms.items():
+        lm(stale, torch.arange(60)[None].expand(3, -1), rows=torch.arange(3), kv_len=60)
+        for row, prompt in enumerate(prompts):
+            n = len(prompt)
+            lm(torch.tensor([prompt]), torch.arange(n)[None], rows=torch.tensor([row]), kv_len=n)
+        tokens = torch.tensor([[p[-1]] for p in prompts])
+        positions = torch.tensor([[n - 1] for n in lengths])
+        steps = []
+        for _ in range(4):
+            logits, taps = lm(tokens, positions, kv_len=64)
+            steps.append((logits, taps))
+            tokens, positions = logits.argmax(-1), positions + 1
+        outputs[name] = steps
+    for (a, ta), (b, tb) in zip(outputs["sdpa"], outputs["varlen"], strict=True):
+        assert not b.isnan().any()
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(tb, ta, rtol=1e-4, atol=1e-4)
+    full = all(w is None for w in lms["varlen"].windows)
+    assert lms["varlen"].steps_read_own_slots == full
+    assert not lms["sdpa"].steps_read_own_slots
+
+
+def test_varlen_needs_the_flash_kernel_else_it_runs_sdpa(target) -> None:
+    lm = StaticLM(target, 1, 64, attention="varlen")  # CPU, fp32: no flash kernel
+    assert not lm.steps_read_own_slots
+    prompt = torch.tensor([PROMPT])
+    lm(prompt, torch.arange(len(PROMPT))[None], fresh=True)
+    step, _ = lm(prompt[:, -1:], torch.tensor([[len(PROMPT)]]), kv_len=16)  # sdpa, no error
+    assert not step.isnan().any()
+
+
 @torch.no_grad()
 def test_compiled_layer_parts_give_the_eager_steps_with_one_graph_for_every_layer(
     target,
@@ -338,7 +392,7 @@ def test_flex_block_masks_list_every_block_a_row_can_see() -> None:
 def test_flex_needs_block_sized_rows() -> None:
     with pytest.raises(ValueError, match="multiple of 128"):
         StaticLM(tiny_target("llama"), 1, 100, attention="flex")
-    with pytest.raises(ValueError, match="sdpa or flex"):
+    with pytest.raises(ValueError, match="one of sdpa, flex, varlen"):
         StaticLM(tiny_target("llama"), 1, 128, attention="eager")
 
 
@@ -453,3 +507,47 @@ def test_a_captured_decode_step_equals_the_eager_one() -> None:
             graph.replay()
             out.append(int(out_buffer))
     assert out == reference
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-sliding"])
+def test_varlen_steps_on_the_flash_kernel_equal_the_sdpa_ones_in_bf16(kind) -> None:
+    """The real kernel (`_flash_varlen`, FA2 with seqused_k) under the packing that the CPU
+    emulation checks: the same logits as the sdpa steps up to bf16 rounding, greedy tokens
+    equal, rows at different positions over stale slots, captured as a CUDA graph."""
+    target = tiny_target(kind).cuda().to(torch.bfloat16)
+    rng = random.Random(7)
+    lengths = [3, 100, 37, 64]
+    prompts = [[rng.randrange(60) for _ in range(n)] for n in lengths]
+    rows = len(prompts)
+    outs = {}
+    for attention in ("sdpa", "varlen"):
+        lm = StaticLM(target, rows, 256, [1], attention=attention)
+        assert lm.steps_read_own_slots == (attention == "varlen" and kind != "qwen3-sliding")
+        stale = torch.randint(0, 60, (rows, 120), device="cuda")
+        lm(stale, torch.arange(120, device="cuda")[None].expand(rows, -1), fresh=True)
+        for row, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device="cuda")
+            positions = torch.arange(len(prompt), device="cuda")[None]
+            lm(ids, positions, rows=torch.tensor([row], device="cuda"), kv_len=len(prompt))
+        token = torch.tensor([[p[-1]] for p in prompts], device="cuda")
+        position = torch.tensor([[n - 1] for n in lengths], device="cuda")
+        logits_out = torch.zeros(rows, 1, target.config.vocab_size, device="cuda")
+
+        def step(lm=lm, token=token, position=position, logits_out=logits_out) -> None:
+            logits, _ = lm(token, position, kv_len=256)
+            logits_out.copy_(logits.float())
+            token.copy_(logits.argmax(-1))
+            position.add_(1)
+
+        with preserved([token, position]):
+            graph = capture(step)
+        steps = []
+        for _ in range(6):
+            graph.replay()
+            steps.append((logits_out.clone(), token.clone()))
+        outs[attention] = steps
+    for (a, ta), (b, tb) in zip(outs["sdpa"], outs["varlen"], strict=True):
+        torch.testing.assert_close(b, a, rtol=0.02, atol=0.02 * float(a.abs().max()))
+        assert torch.equal(ta, tb)
