@@ -172,6 +172,9 @@ def _prefill_finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor
 
 
 ATTENTIONS = ("sdpa", "flex", "varlen")
+# attention="varlen" needs the flash op to take per-sequence used lengths (seqused_k); a torch
+# without it runs those steps on sdpa instead (`StaticLM._flash_ok`).
+_FLASH_USED_K = "seqused_k" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
 def _flash_varlen(
@@ -319,7 +322,7 @@ class StaticLM:
 
     def _flash_ok(self) -> bool:
         half = self.dtype in (torch.float16, torch.bfloat16)
-        return self.flash_anywhere or (self.device.type == "cuda" and half)
+        return self.flash_anywhere or (self.device.type == "cuda" and half and _FLASH_USED_K)
 
     @property
     def steps_read_own_slots(self) -> bool:
