@@ -125,6 +125,22 @@ def test_rows_at_different_positions_and_subset_prefill() -> None:
     assert tokens == references
 
 
+def decode_rows(lm: StaticLM, prompts: list[list[int]], kv_len: int, steps: int = 4) -> list:
+    """Each prompt prefilled into its own row, then `steps` greedy one-token steps of every
+    row at once (rows at different positions): [(logits, taps)] per step."""
+    for row, prompt in enumerate(prompts):
+        n = len(prompt)
+        lm(torch.tensor([prompt]), torch.arange(n)[None], rows=torch.tensor([row]), kv_len=n)
+    tokens = torch.tensor([[p[-1]] for p in prompts])
+    positions = torch.tensor([[len(p) - 1] for p in prompts])
+    out = []
+    for _ in range(steps):
+        logits, taps = lm(tokens, positions, kv_len=kv_len)
+        out.append((logits, taps))
+        tokens, positions = logits.argmax(-1), positions + 1
+    return out
+
+
 @torch.no_grad()
 def test_flex_decoding_steps_equal_the_sdpa_ones(target) -> None:
     """attention="flex" (each row reads only its own K/V blocks, windows included) gives the
@@ -133,19 +149,7 @@ def test_flex_decoding_steps_equal_the_sdpa_ones(target) -> None:
     lengths = [3, 126, 150]  # the second row crosses from block 0 into block 1 while decoding
     prompts = [[rng.randrange(60) for _ in range(n)] for n in lengths]
     lms = {a: StaticLM(target, 3, 256, [1], attention=a) for a in ("sdpa", "flex")}
-    outputs = {}
-    for name, lm in lms.items():
-        for row, prompt in enumerate(prompts):
-            n = len(prompt)
-            lm(torch.tensor([prompt]), torch.arange(n)[None], rows=torch.tensor([row]), kv_len=n)
-        tokens = torch.tensor([[p[-1]] for p in prompts])
-        positions = torch.tensor([[n - 1] for n in lengths])
-        steps = []
-        for _ in range(4):
-            logits, taps = lm(tokens, positions, kv_len=256)
-            steps.append((logits, taps))
-            tokens, positions = logits.argmax(-1), positions + 1
-        outputs[name] = steps
+    outputs = {name: decode_rows(lm, prompts, kv_len=256) for name, lm in lms.items()}
     for (a, ta), (b, tb) in zip(outputs["sdpa"], outputs["flex"], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(tb, ta, rtol=1e-4, atol=1e-4)
@@ -176,17 +180,7 @@ def test_varlen_decoding_steps_equal_the_sdpa_ones(target, emulated_flash) -> No
     outputs = {}
     for name, lm in lms.items():
         lm(stale, torch.arange(60)[None].expand(3, -1), rows=torch.arange(3), kv_len=60)
-        for row, prompt in enumerate(prompts):
-            n = len(prompt)
-            lm(torch.tensor([prompt]), torch.arange(n)[None], rows=torch.tensor([row]), kv_len=n)
-        tokens = torch.tensor([[p[-1]] for p in prompts])
-        positions = torch.tensor([[n - 1] for n in lengths])
-        steps = []
-        for _ in range(4):
-            logits, taps = lm(tokens, positions, kv_len=64)
-            steps.append((logits, taps))
-            tokens, positions = logits.argmax(-1), positions + 1
-        outputs[name] = steps
+        outputs[name] = decode_rows(lm, prompts, kv_len=64)
     for (a, ta), (b, tb) in zip(outputs["sdpa"], outputs["varlen"], strict=True):
         assert not b.isnan().any()
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
