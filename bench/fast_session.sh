@@ -85,17 +85,22 @@ decode)
   # the issue's generate row: 256 slots, 128 new tokens, prompts of 32..512 tokens, compiled
   # decode parts, one graph per window, q/k/v and gate/up fused, 4 attention lengths per
   # octave (`generate`'s CUDA default; 2026-12-03 s16: 41.6-42.0K tok/s at 1,024 prompts,
-  # 53.3K at 4,096), then the flash kernel over each slot's own positions (varlen: one
-  # graph for every length), and a profile of it
+  # 53.3K at 4,096), against the flash kernel over each slot's own positions (varlen: one
+  # graph for every length), at the reference run's lengths too, and a profile of varlen
   GEN="--synthetic --backends static --batch-size 256 --max-new-tokens 128 --compile"
   # shellcheck disable=SC2086  # GEN is a list of flags
   run generate 60 python3 bench/generate.py $GEN --prompts 1024
   # shellcheck disable=SC2086
   run generate_varlen 60 python3 bench/generate.py $GEN --prompts 1024 --attention varlen
   # shellcheck disable=SC2086
-  run generate_4096 70 python3 bench/generate.py $GEN --prompts 4096
-  # shellcheck disable=SC2086
   run generate_varlen_4096 70 python3 bench/generate.py $GEN --prompts 4096 --attention varlen
+  # the reference data's lengths (prompts of 200..1,200 tokens, 192 new, 512 slots), where
+  # the attention reads weigh most: sdpa, then varlen
+  REF="--synthetic --backends static --prompts 2048 --prompt-lengths 200,1200 --max-new-tokens 192 --batch-size 512 --compile"
+  # shellcheck disable=SC2086
+  run generate_ref 60 python3 bench/generate.py $REF
+  # shellcheck disable=SC2086
+  run generate_ref_varlen 60 python3 bench/generate.py $REF --attention varlen
   # shellcheck disable=SC2086
   run generate_profile 90 python3 bench/generate.py $GEN --prompts 1024 --attention varlen \
     --profile
