@@ -117,7 +117,8 @@ class GenerateConfig:
     static_compile_prefill: bool = option(
         False,
         help="static backend on CUDA, with --static-compile: compile the prefill batches' "
-        "dense parts too (dynamic shapes; slower on an H200: 24K vs 42K tok/s at batch 256)",
+        "dense parts too (dynamic shapes; timed once at 24K vs 42K tok/s at batch 256, with "
+        "~2 s of its compilation inside the timed part: not yet timed fairly)",
     )
     static_min_admit: int = option(
         1,
