@@ -59,9 +59,10 @@ from flashdraft.log import get_logger
 from flashdraft.model.attention import default_backend
 from flashdraft.model.config import DrafterConfig, choose_mask_token_id
 from flashdraft.model.drafter import DFlashDrafter, DraftCache, init_seeded, param_count
+from flashdraft.model.graphs import capture
 from flashdraft.model.head import TargetHead
 from flashdraft.model.hybrid import is_hybrid
-from flashdraft.model.static import StaticLM, capture
+from flashdraft.model.static import StaticLM
 from flashdraft.model.target import LayerTaps, Target, decoder_layers, load_target
 from flashdraft.storage import join, makedirs, write_bytes_atomic, write_json_atomic
 from flashdraft.train.blocks import label_positions, sample_anchors, slot_weights

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashdraft.model.static import TOKEN, StaticLM, capture, filter_logits, gumbel, preserved
+from flashdraft.model.graphs import TOKEN, capture, filter_logits, gumbel, preserved
+from flashdraft.model.static import StaticLM
 
 _ATTENTION_BUCKET = 128  # cache rows are sized in multiples of this
 

@@ -43,17 +43,17 @@ from flashdraft.benchutil import sync
 from flashdraft.eval.speculative import DecodeResult
 from flashdraft.model.attention import BlockLayout, MaskMod, dflash_mask_mod
 from flashdraft.model.drafter import DecoderLayer, DFlashDrafter
-from flashdraft.model.head import TargetHead
-from flashdraft.model.static import (
+from flashdraft.model.graphs import (
     ACCEPT,
     DRAFT,
     TOKEN,
-    StaticLM,
     capture,
     counter_uniform,
     gumbel,
     preserved,
 )
+from flashdraft.model.head import TargetHead
+from flashdraft.model.static import StaticLM
 
 
 def required_len(prompt_len: int, max_new_tokens: int, block_size: int) -> int:

@@ -18,16 +18,14 @@ Llama, Mistral, Qwen2 and Qwen3 style decoder layers; anything else (hybrids, Ge
 extra norms, logit softcaps, FSDP-sharded layers) is refused so callers keep the HF path.
 `StaticLM.verify` checks the logits and taps against an HF forward once, at start-up.
 
-Also here, for the decode loops built on it: one CUDA graph over a function of persistent
-device state (`capture`), and graph-safe sampling whose randomness is a hash of
-(seed, position, stream), so that it needs no generator inside the graph and a request's
-tokens do not depend on which other requests share its steps (`counter_uniform`).
+The decode loops built on it capture its steps with `flashdraft.model.graphs`; the
+attention="varlen" steps' kernel plan lives in `flashdraft.model.varlen`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -35,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flashdraft.model import varlen
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -172,67 +172,6 @@ def _prefill_finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor
 
 
 ATTENTIONS = ("sdpa", "flex", "varlen")
-# attention="varlen" needs the flash op to take per-sequence used lengths (seqused_k); a torch
-# without it runs those steps on sdpa instead (`StaticLM._flash_ok`).
-_FLASH_USED_K = "seqused_k" in str(torch.ops.aten._flash_attention_forward.default._schema)
-
-
-def _flash_varlen(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
-    used_k: Tensor,
-    scale: float,
-) -> Tensor:
-    """Flash attention over packed sequences [T, H, D]: sequence s is queries cu_q[s] ..
-    cu_q[s+1] and keys cu_k[s] .. cu_k[s] + used_k[s] (the rest of its span is not read),
-    no mask within it. torch's FA2 varlen forward (its `seqused_k`); CUDA, half precision.
-    A module-level name, so CPU tests can stand in an emulation of these semantics."""
-    out = torch.ops.aten._flash_attention_forward(
-        query, key, value, cu_q, cu_k, max_q, max_k, 0.0, False, False,
-        scale=scale, seqused_k=used_k,
-    )[0]  # fmt: skip
-    return out
-
-
-class _OwnSlots:
-    """A decode step's attention plan for the full layers under attention="varlen": each
-    (row, K/V head) is one flash sequence of its G query heads over the row's own slots."""
-
-    def __init__(self, positions: Tensor, num_kv_heads: int, group: int, max_len: int) -> None:
-        rows = positions.shape[0]
-        seqs = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32, device=positions.device)
-        self.cu_q, self.cu_k = seqs * group, seqs * max_len
-        # slots 0..position of each row, for each of its K/V heads
-        self.used = (positions[:, 0] + 1).to(torch.int32).repeat_interleave(num_kv_heads)
-
-
-def _own_slots_attention(
-    q: Tensor, keys: Tensor, values: Tensor, plan: _OwnSlots, scale: float
-) -> Tensor:
-    """q [R, Hq, 1, D]; keys / values: a layer's whole cache [R, Hkv, L, D] -> [R, 1, Hq*D].
-    Query head h = kv * G + g (as HF's repeat_kv), so the G heads of K/V head kv are the G
-    query rows of sequence (r, kv), and the cache's [R, Hkv, L, D] layout is already the
-    packed one ([R*Hkv*L, 1, D]): nothing is copied but q."""
-    r, hq, _, d = q.shape
-    _, hkv, length, _ = keys.shape
-    group = hq // hkv
-    out = _flash_varlen(
-        q.reshape(r * hq, 1, d),
-        keys.view(r * hkv * length, 1, d),
-        values.view(r * hkv * length, 1, d),
-        plan.cu_q,
-        plan.cu_k,
-        group,
-        length,
-        plan.used,
-        scale,
-    )
-    return out.view(r, 1, hq * d)
 
 
 def _fusable(layer: Any) -> bool:
@@ -273,7 +212,7 @@ class StaticLM:
         that reads only the 128-slot blocks up to each row's own position (the K/V of a
         short request is not read up to the longest one's); or "varlen" for one-token steps
         of every row: on the full-attention layers, the flash kernel over each row's own
-        slots 0..position (`_own_slots_attention`: no mask, nothing above a row's position
+        slots 0..position (`varlen.own_slots_attention`: no mask, nothing above a row's position
         read, one shape for every length; CUDA, half precision; elsewhere it runs sdpa);
         other calls use sdpa."""
         reason = unsupported_reason(model)
@@ -317,12 +256,12 @@ class StaticLM:
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         self._fused: list[Fused | None] = [None] * len(self.layers)
 
-    # Whether `_flash_varlen` runs here (tests set it to run their emulation on CPU).
+    # Whether `varlen._flash_varlen` runs here (tests set it to run their emulation on CPU).
     flash_anywhere: bool = False
 
     def _flash_ok(self) -> bool:
         half = self.dtype in (torch.float16, torch.bfloat16)
-        return self.flash_anywhere or (self.device.type == "cuda" and half and _FLASH_USED_K)
+        return self.flash_anywhere or (self.device.type == "cuda" and half and varlen.FLASH_USED_K)
 
     @property
     def steps_read_own_slots(self) -> bool:
@@ -390,7 +329,7 @@ class StaticLM:
         k: Tensor,
         v: Tensor,
         positions: Tensor,
-        mask: Tensor | BlockMask | _OwnSlots | None,
+        mask: Tensor | BlockMask | varlen.OwnSlots | None,
         rows: Tensor | None,
         kv_len: int,
         *,
@@ -419,8 +358,8 @@ class StaticLM:
             with sdpa_kernel(_NO_CUDNN):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             return out.transpose(1, 2).reshape(out_shape)
-        if isinstance(mask, _OwnSlots):  # the whole cache: the plan bounds each row
-            return _own_slots_attention(q, keys, values, mask, self.scale)
+        if isinstance(mask, varlen.OwnSlots):  # the whole cache: the plan bounds each row
+            return varlen.own_slots_attention(q, keys, values, mask, self.scale)
         if rows is None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
         else:
@@ -530,7 +469,7 @@ class StaticLM:
             masks = self._block_masks(positions, kv_len)
         elif self.attention == "varlen" and rows is None and n == 1 and self._flash_ok():
             windows = [w for w in set(self.windows) if w is not None]
-            plan = _OwnSlots(
+            plan = varlen.OwnSlots(
                 positions, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.max_len
             )
             sliding: dict[int | None, Any] = self._masks(positions, kv_len) if windows else {}
@@ -593,99 +532,3 @@ class StaticLM:
                     f"static decoding differs from the HF forward ({name}: max error "
                     f"{error:.3g} at scale {scale:.3g}); use the HF decoder for this target"
                 )
-
-
-# ---- one CUDA graph over a function of persistent device state ----
-
-
-@contextmanager
-def preserved(tensors: Sequence[Tensor]) -> Iterator[None]:
-    """Restore `tensors` to their current values on exit (warm-up and capture mutate state)."""
-    saved = [t.clone() for t in tensors]
-    try:
-        yield
-    finally:
-        for t, s in zip(tensors, saved, strict=True):
-            t.copy_(s)
-
-
-@torch.no_grad()
-def capture(
-    fn: Callable[[], object],
-    *,
-    warmup: int = 2,
-    pool: Any = None,
-    warm: Callable[[], object] | None = None,
-) -> Any:
-    """`fn` (no arguments: it reads and writes persistent tensors) as a `torch.cuda.CUDAGraph`
-    whose `replay()` does what `fn()` does. Warm-up runs (cuBLAS workspaces, compilation,
-    allocator) happen on a side stream first: `warmup` runs of `warm` (default `fn`; a
-    cheaper function that runs the same kernels, e.g. one step of a many-step `fn`). They
-    execute, so callers wrap this in `preserved(...)` for the state they care about."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            (warm or fn)()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: only this thread must not touch CUDA unsafely while capturing (a trainer
-    # may have a row-prefetch thread running during an in-training eval).
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        fn()
-    return graph
-
-
-# ---- graph-safe sampling: randomness as a hash of (seed, position, stream) ----
-
-_MASK32 = 0xFFFFFFFF
-# Random streams: each position of an output draws independent noise for each purpose.
-TOKEN, DRAFT, ACCEPT = 0, 1, 2
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for 0 <= x, c < 2**32, in int64 without overflow (16-bit halves)."""
-    low, high = x & 0xFFFF, x >> 16
-    return (low * c + (((high * c) & 0xFFFF) << 16)) & _MASK32
-
-
-def _hash32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash with good avalanche (Wellons' "lowbias32")."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def counter_uniform(seed: Tensor, counter: Tensor, stream: int, n: int) -> Tensor:
-    """Uniforms in (0, 1), [R, n] float32, a pure function of (seed [R], counter [R], stream,
-    column): no generator state, so the same inside and outside a CUDA graph and on every
-    device. 24 random bits each (the float32 mantissa)."""
-    seed = (seed ^ (seed >> 32)) & _MASK32
-    key = _hash32(seed ^ _hash32((counter * 4 + stream) & _MASK32))
-    key2 = _hash32(key ^ 0x5BD1E995)
-    columns = torch.arange(n, device=seed.device)
-    bits = _hash32(_hash32(columns[None, :] ^ key[:, None]) ^ key2[:, None])
-    return ((bits >> 8).float() + 0.5) * 2.0**-24
-
-
-def gumbel(seed: Tensor, counter: Tensor, stream: int, n: int) -> Tensor:
-    """Gumbel(0, 1) noise [R, n]: argmax(log p + G) is a sample from p (the Gumbel-max
-    trick; exact in distribution, no multinomial, no host sync)."""
-    return -torch.log(-torch.log(counter_uniform(seed, counter, stream, n)))
-
-
-def filter_logits(scores: Tensor, top_k: int, top_p: float) -> Tensor:
-    """scores [R, V] with the tokens outside top-k / the top-p nucleus set to -inf, as HF's
-    TopK and TopP warpers do (top-k first; the most likely token always stays)."""
-    if top_k > 0:
-        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, index = scores.sort(dim=-1)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1 - top_p
-        drop[:, -1] = False
-        scores = scores.scatter(1, index, ordered.masked_fill(drop, float("-inf")))
-    return scores

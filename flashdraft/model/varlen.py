@@ -18,6 +18,10 @@ the tests check the packing arithmetic on any machine and the kernel on a GPU.
 Targets with sliding-window layers, logit soft-capping or attention sinks keep flex
 (`refusal` says why); so do hybrid targets (their full-attention layers are gated and their
 linear ones take the packing elsewhere).
+
+Also here, the same kernel for the decode steps of a static KV cache
+(`flashdraft.model.static`, attention="varlen"): each row attends over its own used slots
+only (`own_slots_attention`).
 """
 
 from __future__ import annotations
@@ -217,3 +221,77 @@ def refusal(config: Any) -> str | None:
         if getattr(config, key, None):
             return f"it sets {key} (not in the flash kernel)"
     return None
+
+
+# ---- decode steps on a static KV cache: each row over its own slots ----
+#
+# A decode step of R rows at their own positions, on a cache [R, Hkv, L, D] per layer: with a
+# dense mask, attention reads every row up to the longest one's length (cuDNN's kernel: ~50 us
+# per SmolLM2-135M layer at 256 rows, ~60 MB of K/V that memory speed reads in ~15 us;
+# benchmarks/small_targets_h200_20261203_s16.md). As flash sequences with a used length each,
+# a row reads only its own slots, and one shape serves every length.
+
+
+# The decode steps need the flash op to take per-sequence used lengths (seqused_k); with a
+# torch without it, `StaticLM` runs those steps on sdpa instead.
+FLASH_USED_K = "seqused_k" in str(torch.ops.aten._flash_attention_forward.default._schema)
+
+
+def _flash_varlen(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    used_k: Tensor,
+    scale: float,
+) -> Tensor:
+    """Flash attention over packed sequences [T, H, D]: sequence s is queries cu_q[s] ..
+    cu_q[s+1] and keys cu_k[s] .. cu_k[s] + used_k[s] (the rest of its span is not read),
+    no mask within it. torch's FA2 varlen forward (its `seqused_k`); CUDA, half precision.
+    A module-level name, so CPU tests can stand in an emulation of these semantics
+    (`tests/helpers.py`)."""
+    out = torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+        scale=scale, seqused_k=used_k,
+    )[0]  # fmt: skip
+    return out
+
+
+class OwnSlots:
+    """A one-token decode step's attention plan over a static cache (`flashdraft.model.
+    static`, attention="varlen"), for its full-attention layers: each (row, K/V head) is one
+    flash sequence of its G query heads over the row's own slots 0..position."""
+
+    def __init__(self, positions: Tensor, num_kv_heads: int, group: int, max_len: int) -> None:
+        rows = positions.shape[0]
+        seqs = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32, device=positions.device)
+        self.cu_q, self.cu_k = seqs * group, seqs * max_len
+        # slots 0..position of each row, for each of its K/V heads
+        self.used = (positions[:, 0] + 1).to(torch.int32).repeat_interleave(num_kv_heads)
+
+
+def own_slots_attention(
+    q: Tensor, keys: Tensor, values: Tensor, plan: OwnSlots, scale: float
+) -> Tensor:
+    """q [R, Hq, 1, D]; keys / values: a layer's whole cache [R, Hkv, L, D] -> [R, 1, Hq*D].
+    Query head h = kv * G + g (as HF's repeat_kv), so the G heads of K/V head kv are the G
+    query rows of sequence (r, kv), and the cache's [R, Hkv, L, D] layout is already the
+    packed one ([R*Hkv*L, 1, D]): nothing is copied but q."""
+    r, hq, _, d = q.shape
+    _, hkv, length, _ = keys.shape
+    group = hq // hkv
+    out = _flash_varlen(
+        q.reshape(r * hq, 1, d),
+        keys.view(r * hkv * length, 1, d),
+        values.view(r * hkv * length, 1, d),
+        plan.cu_q,
+        plan.cu_k,
+        group,
+        length,
+        plan.used,
+        scale,
+    )
+    return out.view(r, 1, hq * d)

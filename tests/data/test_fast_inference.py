@@ -269,10 +269,11 @@ def test_varlen_slots_equal_each_prompt_alone_at_one_attention_length(
     cache's whole length, one graph for all, and each prompt keeps its own greedy tokens."""
     from helpers import emulated_flash_varlen
 
-    import flashdraft.model.static as static
+    from flashdraft.model import varlen
+    from flashdraft.model.static import StaticLM
 
-    monkeypatch.setattr(static, "_flash_varlen", emulated_flash_varlen)
-    monkeypatch.setattr(static.StaticLM, "flash_anywhere", True)
+    monkeypatch.setattr(varlen, "_flash_varlen", emulated_flash_varlen)
+    monkeypatch.setattr(StaticLM, "flash_anywhere", True)
     length = cache_length(max(len(p) for p in prompts), NEW, 4)
     decoder = SlotDecoder(
         model, 5, length, max_new_tokens=NEW, stop_ids=STOP, sync_every=4, attention="varlen"

@@ -269,7 +269,7 @@ class ResampleFromTarget(StaticDecoder):
 
     def _accept(self, drafts, draft_logits, logits, positions):
         accepted, _ = super()._accept(drafts, draft_logits, logits, positions)
-        from flashdraft.model.static import TOKEN, gumbel
+        from flashdraft.model.graphs import TOKEN, gumbel
 
         row = torch.softmax(logits.float() / self.temperature, -1).index_select(0, accepted.view(1))
         noise = gumbel(self.seed, positions[0, :1] + accepted + 1, TOKEN, row.shape[-1])
