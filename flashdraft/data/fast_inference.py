@@ -114,8 +114,8 @@ class SlotDecoder:
     tokens (each request's decoding does not depend on its neighbours); graphs: capture the
     steps (default: on CUDA); attention: the steps' attention, "sdpa", "flex" (each slot
     reads only its own K/V blocks) or "varlen" (only its own slots; see `StaticLM`);
-    compile_backend:
-    compile the decode steps' dense layer parts first (`StaticLM.compile_layers`);
+    compile_backend: compile the decode steps' dense layer parts first
+    (`StaticLM.compile_layers`);
     compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes);
     fuse: q/k/v and gate/up as one GEMM each (default: the class's `fuse`).
     """

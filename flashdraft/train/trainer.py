@@ -409,11 +409,15 @@ class Trainer:
             config.data.prefetch if config.parallel.overlap else 0,
         )
         interval, last_record = Interval(), {}
-        # The first step compiles (drafter layers, and the target on CUDA): say so, it can
-        # take a minute with a cold cache and looks like a hang otherwise.
+        # The first step compiles (drafter layers, and the target on CUDA): say so, it takes
+        # ~3 minutes with a cold cache (an H200, 2026-12-03: 177 s for a SmolLM2-135M or a
+        # 1.7B-shaped target) and looks like a hang otherwise.
         compiling = self.device.type == "cuda" and (config.compile or config.target.compile)
         if compiling and self.step < self.total_steps:
-            log.info("flashdraft train: compiling for the first step (up to a minute or two cold)")
+            log.info(
+                "flashdraft train: compiling for the first step "
+                "(~3 minutes with a cold compile cache, seconds with a warm one)"
+            )
             if progress is not None:
                 progress.set_description("train (compiling)")
                 progress.refresh()
