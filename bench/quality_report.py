@@ -405,7 +405,56 @@ def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> s
     (the target's own: easy to draft, it lifts tau), the same table again over the text
     before the loops (`before_loops`); and when any ran at T = 1 (rejection sampling,
     `KIND_t1.json`), the table of those evals."""
-    return _before_loops_tables(rows, peer) + _sampled_table(rows, peer)
+    return (
+        _before_loops_tables(rows, peer) + _sampled_table(rows, peer) + position_table(rows, peer)
+    )
+
+
+POSITIONS = 8  # draft positions shown in `position_table`
+
+
+def _chained_tau(conditional: list[float]) -> float:
+    """tau from per-position conditional acceptance: 1 + sum over k of prod_{j <= k} c_j."""
+    tau, reach = 1.0, 1.0
+    for c in conditional:
+        reach *= c
+        tau += reach
+    return tau
+
+
+def position_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
+    """Where the acceptance differs, T = 0: per kind, each run's conditional acceptance at
+    draft positions 1..8 (P(draft k accepted | drafts 1..k-1 were); a loss weighting that
+    favours early positions shows as a higher first one and lower later ones), and with the
+    peer, "mix": the tau of this run's first position chained with the peer's later ones
+    (from the eval's `conditional_acceptance`): what the run would reach if its later
+    positions matched the peer's."""
+    table_rows = []
+    for kind in KINDS:
+        theirs = (
+            None if peer is None else (peer["evals"].get(kind) or {}).get("conditional_acceptance")
+        )
+        for row in [*rows, *([peer] if peer is not None else [])]:
+            cond = (row["evals"].get(kind) or {}).get("conditional_acceptance")
+            if not cond:
+                continue
+            mix = "—"
+            if theirs and row is not peer:
+                mix = f"{_chained_tau(cond[:1] + theirs[1:]):.3f}"
+            cells = [f"{c:.3f}" for c in cond[:POSITIONS]]
+            cells += [""] * (POSITIONS - len(cells))
+            table_rows.append([KIND_NAMES[kind], row["name"], *cells, mix])
+    if not table_rows:
+        return ""
+    head = ["kind", "run", *(f"c{k}" for k in range(1, POSITIONS + 1)), "mix"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows]
+    return (
+        "\nConditional acceptance by draft position, T = 0 (c_k = P(draft k accepted | the"
+        " ones before it were); mix: tau with this run's c1 and the peer's c2..):\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def _sampled_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:

@@ -492,6 +492,27 @@ def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: Modul
     assert "At T = 1" in table and "| 1.500 | — | — | 1.25" in table.split("At T = 1")[1]
 
 
+def test_compare_shows_where_the_acceptance_differs_by_position(quality: ModuleType) -> None:
+    """The per-position table: each run's conditional acceptance c1..c8, and "mix", the tau
+    of the run's c1 chained with the peer's later positions (1 + sum of running products)."""
+    report = sys.modules["quality_report"]
+
+    def row(name: str, cond: list[float] | None) -> dict:
+        evals = {"chat": None if cond is None else {"tau": 2.0, "conditional_acceptance": cond}}
+        return {"name": name, "recipe": {"recipe": name}, "steps": 5, "step_ms": 1.0,
+                "evals": evals, "sampled": {}}  # fmt: skip
+
+    mine, theirs = row("mine", [0.8, 0.5, 0.5]), row("peer", [0.6, 0.9, 0.5])
+    table = report.render_compare([mine], theirs)
+    section = table.split("Conditional acceptance by draft position")[1]
+    mix = 1 + 0.8 + 0.8 * 0.9 + 0.8 * 0.9 * 0.5  # mine's c1, the peer's c2 and c3
+    assert f"| chat | mine | 0.800 | 0.500 | 0.500 |  |  |  |  |  | {mix:.3f} |" in section
+    assert "| chat | peer | 0.600 | 0.900 | 0.500 |  |  |  |  |  | — |" in section
+    assert report._chained_tau([0.5, 0.5]) == pytest.approx(1.75)
+    # no per-position data (older eval reports): no table
+    assert "Conditional acceptance" not in report.render_compare([row("old", None)], None)
+
+
 def test_a_run_on_data_with_untrained_loops_reports_that_data(
     quality: ModuleType, tmp_path: Path
 ) -> None:
