@@ -407,7 +407,9 @@ class StaticLM:
         """Every layer's q/k/v weights as one matrix and its MLP's gate/up as one: copies (the
         model's own parameters stay as they are), so it costs their memory once more, and it
         is skipped (False) above `max_bytes` of copies or when a layer's layout differs
-        (`_fusable`). The results equal the unfused ones up to the GEMMs' rounding."""
+        (`_fusable`). The results equal the unfused ones up to the GEMMs' rounding. The copies
+        are taken now: for a frozen target (generation); a model whose weights change later
+        (a drafter's in-training eval of a target being tuned) must not be fused."""
         if not all(_fusable(layer) for layer in self.layers):
             return False
         size = 0
