@@ -238,8 +238,16 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled
     """Graphed windows with fused projections (compiled flex for "flex"; the flash kernel
     for "varlen", one graph for every length; inductor's decode and prefill parts for
     "compiled") give the eager, unfused sdpa steps' tokens; prompts of up to 150 tokens put
-    the slots in different flex blocks."""
+    the slots in different flex blocks. The flash kernel needs half precision: the varlen
+    cases run in bf16 (the eager reference too), where two correct paths part at near-ties
+    of the tiny model's logits (bf16 flips ~3% of its argmaxes), so there the answers must
+    agree on most requests and for most of their length (a kernel reading the wrong slots
+    parts at the first decoded token); the others run in fp32 and must also equal HF's own
+    greedy decoding."""
+    half = attention == "varlen"
     model = tiny_llama(initializer_range=0.3).cuda()
+    if half:
+        model = model.to(torch.bfloat16)
     rng = random.Random(3)
     prompts = prompts + [[rng.randrange(60) for _ in range(n)] for n in (120, 150)]
     outputs = []
@@ -257,9 +265,24 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled
             compile_prefill=graphs and compiled,
             fuse=graphs,  # the reference: separate projections, eager steps
         )
+        if graphs and half:  # the flash path runs, one graph for every length
+            assert decoder.lm.steps_read_own_slots
         outputs.append(decoder.generate(prompts, list(range(len(prompts)))))
+        if graphs and half:
+            assert set(decoder._graphs) == {decoder.max_len}
+    if half:
+        common = [shared_prefix(a, b) / len(a) for a, b in zip(*outputs, strict=True)]
+        assert sum(c == 1 for c in common) >= len(common) / 2, common
+        assert sum(common) / len(common) >= 0.6, common
+        return
     assert outputs[0] == outputs[1]
     assert outputs[0] == [greedy_alone(model, p) for p in prompts]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def test_varlen_slots_equal_each_prompt_alone_at_one_attention_length(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import tiny_llama, tiny_target
 
-from flashdraft.model.graphs import capture, preserved
+from flashdraft.model.graphs import capture
 from flashdraft.model.static import StaticLM, unsupported_reason
 
 PROMPT = [5, 17, 3, 42, 8, 11, 29, 2, 60]
@@ -456,13 +456,16 @@ def test_a_captured_decode_step_equals_the_eager_one() -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-sliding"])
 def test_varlen_steps_on_the_flash_kernel_equal_the_sdpa_ones_in_bf16(kind) -> None:
     """The real kernel (`_flash_varlen`, FA2 with seqused_k) under the packing that the CPU
-    emulation checks: the same logits as the sdpa steps up to bf16 rounding, greedy tokens
-    equal, rows at different positions over stale slots, captured as a CUDA graph."""
+    emulation checks: the sdpa steps' logits up to bf16 rounding, rows at different
+    positions over stale slots, captured as a CUDA graph. Teacher-forced (the same fixed
+    tokens into both): in bf16, free-running greedy decoding of a tiny random model leaves
+    the other path at a near-tie within a few dozen tokens."""
     target = tiny_target(kind).cuda().to(torch.bfloat16)
     rng = random.Random(7)
     lengths = [3, 100, 37, 64]
     prompts = [[rng.randrange(60) for _ in range(n)] for n in lengths]
-    rows = len(prompts)
+    rows, steps = len(prompts), 6
+    feed = torch.randint(0, 60, (steps, rows, 1), generator=torch.Generator().manual_seed(1))
     outs = {}
     for attention in ("sdpa", "varlen"):
         lm = StaticLM(target, rows, 256, [1], attention=attention)
@@ -473,23 +476,21 @@ def test_varlen_steps_on_the_flash_kernel_equal_the_sdpa_ones_in_bf16(kind) -> N
             ids = torch.tensor([prompt], device="cuda")
             positions = torch.arange(len(prompt), device="cuda")[None]
             lm(ids, positions, rows=torch.tensor([row], device="cuda"), kv_len=len(prompt))
-        token = torch.tensor([[p[-1]] for p in prompts], device="cuda")
-        position = torch.tensor([[n - 1] for n in lengths], device="cuda")
+        token = torch.zeros(rows, 1, dtype=torch.long, device="cuda")
+        position = torch.tensor([[n] for n in lengths], device="cuda")
         logits_out = torch.zeros(rows, 1, target.config.vocab_size, device="cuda")
 
         def step(lm=lm, token=token, position=position, logits_out=logits_out) -> None:
             logits, _ = lm(token, position, kv_len=256)
             logits_out.copy_(logits.float())
-            token.copy_(logits.argmax(-1))
-            position.add_(1)
 
-        with preserved([token, position]):
-            graph = capture(step)
-        steps = []
-        for _ in range(6):
+        graph = capture(step)
+        logits = []
+        for k in range(steps):  # host-side inputs between replays, as the decode loops do
+            token.copy_(feed[k])
+            position.copy_(torch.tensor([[n + k] for n in lengths]))
             graph.replay()
-            steps.append((logits_out.clone(), token.clone()))
-        outs[attention] = steps
-    for (a, ta), (b, tb) in zip(outs["sdpa"], outs["varlen"], strict=True):
+            logits.append(logits_out.clone())
+        outs[attention] = logits
+    for a, b in zip(outs["sdpa"], outs["varlen"], strict=True):
         torch.testing.assert_close(b, a, rtol=0.02, atol=0.02 * float(a.abs().max()))
-        assert torch.equal(ta, tb)
