@@ -48,32 +48,6 @@ if ls .whl/fast/*.whl > /dev/null 2>&1; then
   export PYTHONPATH=$PYTHONPATH:/tmp/fast-site
 fi
 
-# The cold compile: the trainer built, then its first two steps timed apart (a file, so that
-# `timeout` can run it).
-cat > /tmp/fd_first_step.py <<'PY'
-import sys, time
-sys.path.insert(0, "bench")
-import torch
-import trainer as bench
-from flashdraft.train.trainer import Interval
-sys.argv = ["trainer.py", *sys.argv[1:]]
-args = bench.parse()
-device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-row = int(args.rows.split(",")[0])
-t0 = time.perf_counter()
-trainer = bench.make_trainer(args, device, bench.target_model(args, device), row, overlap=True)
-rows = trainer.stream.iterate(iter(range(10**9)), 2)
-t1 = time.perf_counter()
-times = []
-for _ in range(2):
-    start = time.perf_counter()
-    trainer.train_step([next(rows)], Interval())
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    times.append(time.perf_counter() - start)
-print(f"FIRST_STEP build {t1 - t0:.1f}s, first step {times[0]:.1f}s (compiles), "
-      f"second {times[1]:.3f}s")
-PY
 SMOL="--hidden 576 --intermediate 1536 --heads 9 --kv-heads 3 --head-dim 64 --target-layers 30 --vocab 49152"
 MID="--hidden 2048 --intermediate 6144 --heads 16 --kv-heads 8 --head-dim 128 --target-layers 28 --vocab 151936"
 
@@ -116,7 +90,9 @@ train)
   # first in a fresh machine, so that it is the cold-cache number (goal: <= 60 s; it took
   # 154-221 s before: 2026-12-03 s16 a 150 s limit killed it, and the runs after it, with
   # limits of 110 and 90 s, compiled the rest cold and were killed too)
-  run first_step_smollm2 300 python3 /tmp/fd_first_step.py $SMOL --layers 3 --rows 8192
+  # (`--first-step`: the trainer built, its first two steps timed apart, dynamo's account
+  # of the compile and the kernels whose Triton compiles took longest)
+  run first_step_smollm2 300 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 --first-step
   run train_gpu_tests 100 $PYTEST tests/train/test_parallel.py tests/train/test_features.py \
     -k "compiled or run_target"
   # the issue's training row: SmolLM2-shaped target, 3-layer drafter, 8192-token rows, A = 512,

@@ -299,7 +299,7 @@ def first_step(args: argparse.Namespace, device: torch.device) -> int:
     dynamo's own account of the compilation (issue 17: cold <= 60 s)."""
     from torch._dynamo.utils import compile_times
 
-    from flashdraft.train.bench import unique_graphs
+    from flashdraft.train.bench import slowest_kernels, unique_graphs
 
     start = time.perf_counter()
     model = target_model(args, device)
@@ -317,6 +317,8 @@ def first_step(args: argparse.Namespace, device: torch.device) -> int:
         "first_two_target_s": round(target, 1),
         "first_two_drafter_s": round(drafter, 1),
         "graphs": unique_graphs(),
+        # the kernels whose (parallel) Triton compiles took longest, seconds each
+        "slowest_kernels": [[name, round(s, 2)] for name, s in slowest_kernels()],
         "settings": args.set,
         **environment(),
     }

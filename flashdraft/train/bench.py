@@ -71,6 +71,28 @@ def unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def slowest_kernels(limit: int = 12) -> list[tuple[str, float]]:
+    """The Triton kernels that took longest to compile in this process, [(name, seconds)],
+    slowest first, from dynamo's compilation metrics (each graph's top kernels by compile
+    time). Empty where this torch does not record them. A cold first step spends most of
+    its time waiting on these compiles (2026-12-01: 172 of 221 s), so the names say what to
+    cut (issue 17: cold <= 60 s)."""
+    import json
+
+    from torch._dynamo.utils import get_compilation_metrics
+
+    times: dict[str, float] = {}
+    for metrics in get_compilation_metrics():
+        raw = getattr(metrics, "triton_kernel_compile_times_us", None)
+        if not raw:
+            continue
+        entries = json.loads(raw) if isinstance(raw, str) else raw
+        for entry in entries:
+            name, us = (entry[0], entry[1]) if isinstance(entry, list | tuple) else entry
+            times[str(name)] = max(times.get(str(name), 0.0), float(us) / 1e6)
+    return sorted(times.items(), key=lambda kv: -kv[1])[:limit]
+
+
 def step_flops(trainer: Trainer) -> tuple[float, float]:
     """(target, drafter) FLOPs of one row.
 

@@ -37,3 +37,23 @@ def test_bench_with_stacked_rows_counts_every_row(
     # tokens/s x seconds / rows = the mean real tokens of a packed row: up to a full row.
     per_row = full["tokens_per_s"] * full["median_ms"] / 1000 / 4
     assert 0.5 * full["row"] < per_row <= 1.01 * full["row"]
+
+
+def test_slowest_kernels_reads_dynamo_s_per_graph_top_kernels(monkeypatch) -> None:
+    """Each compiled graph records its slowest Triton compiles as a JSON list of [name, us];
+    the helper merges them over graphs (a kernel deduplicated across graphs counts once,
+    at its longest), slowest first, in seconds; graphs without the field are skipped."""
+    from types import SimpleNamespace
+
+    import torch._dynamo.utils as dynamo_utils
+
+    from flashdraft.train.bench import slowest_kernels
+
+    graphs = [
+        SimpleNamespace(triton_kernel_compile_times_us='[["flex_bwd", 41000000], ["mm_a", 900]]'),
+        SimpleNamespace(triton_kernel_compile_times_us=None),
+        SimpleNamespace(triton_kernel_compile_times_us='[["mm_a", 1200], ["pointwise", 5000]]'),
+    ]
+    monkeypatch.setattr(dynamo_utils, "get_compilation_metrics", lambda: graphs)
+    assert slowest_kernels() == [("flex_bwd", 41.0), ("pointwise", 0.005), ("mm_a", 0.0012)]
+    assert slowest_kernels(limit=1) == [("flex_bwd", 41.0)]
