@@ -27,6 +27,7 @@ H hidden, C conv channels (2*nk*dk + nv*dv), nk/nv key/value heads, dk/dv their 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -201,8 +202,13 @@ def _rule_reference(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments
 ) -> Tensor:
     """transformers' torch chunked gated delta rule, per segment, from a zero state."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
+    # Unwrapped: transformers decorates it to call fla's kernel instead whenever `fla` was
+    # importable when its module was first imported (a real install, or a test's stand-in
+    # then: that bound the stand-in for the whole process, and later tests failed in an
+    # order that depended on which worker imported the module first).
+    torch_chunk_gated_delta_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
     groups = v.shape[2] // q.shape[2]
     # Grouped value heads: each q/k head serves `groups` consecutive value heads (5.17 repeats
     # before its kernel, 5.24 inside it; repeating here suits both).

@@ -174,6 +174,35 @@ def _prefill_finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor
 ATTENTIONS = ("sdpa", "flex", "varlen")
 
 
+def _write_cache(
+    keys: Tensor, values: Tensor, k: Tensor, v: Tensor, at: tuple[Tensor, Tensor, Tensor]
+) -> None:
+    """k / v [R, Hkv, n, D] into every row's slots of keys / values [R, Hkv, L, D], in place;
+    at = (row ids [R, 1, 1], head ids [1, Hkv, 1], positions [R, 1, n]). As index_put_, not
+    scatter_: under torch.compile inductor writes an input's index_put_ in place, fused with
+    what computes k and v, where a scatter_ into an input copies the whole cache in and out
+    (seen in the CPU backend's generated code, 2026-12-03)."""
+    keys.index_put_(at, k.to(keys.dtype))
+    values.index_put_(at, v.to(values.dtype))
+
+
+def _project_into_cache(
+    layer: Any,
+    fused: Fused | None,
+    x: Tensor,
+    rope: tuple[Tensor, Tensor],
+    shape: tuple[int, int, int],
+    keys: Tensor,
+    values: Tensor,
+    at: tuple[Tensor, Tensor, Tensor],
+) -> Tensor:
+    """`_project` for a decode step of every row, writing k / v into the layer's cache itself
+    (compiled, the write is part of the RoPE kernel): -> q [R, Hq, 1, D]."""
+    q, k, v = _project(layer, fused, x, rope, shape)
+    _write_cache(keys, values, k, v, at)
+    return q
+
+
 def _fusable(layer: Any) -> bool:
     """Whether a layer's projections can be fused: Linear q/k/v and gate/up, each set with
     biases on all or none, and an MLP computed as down(act(gate(x)) * up(x))."""
@@ -255,6 +284,10 @@ class StaticLM:
         self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (_project, _finish)
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         self._fused: list[Fused | None] = [None] * len(self.layers)
+        # index_put_ coordinates of a call of every row (`_write_cache`)
+        self._row_ids = torch.arange(rows, device=self.device)[:, None, None]
+        self._head_ids = torch.arange(self.num_kv_heads, device=self.device)[None, :, None]
+        self._decode_writes: Callable[..., Any] | None = None
 
     # Whether `varlen._flash_varlen` runs here (tests set it to run their emulation on CPU).
     flash_anywhere: bool = False
@@ -334,18 +367,20 @@ class StaticLM:
         kv_len: int,
         *,
         flat: bool = False,
+        written: bool = False,
     ) -> Tensor:
         """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D]
-        (flat: [1, R*n, Hq*D]); writes this call's K/V into layer i's cache first. mask
-        None: the call's own tokens from position 0, causal (`fresh`)."""
+        (flat: [1, R*n, Hq*D]); writes this call's K/V into layer i's cache first (unless
+        `written`: then k / v are unused). mask None: the call's own tokens from position 0,
+        causal (`fresh`)."""
         r, _, n, d = q.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         out_shape = (1, r * n, hq * d) if flat else (r, n, hq * d)
         keys, values = self.keys[i], self.values[i]
-        if rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
-            index = positions[:, None, :, None].expand(r, hkv, n, d)
-            keys.scatter_(2, index, k.to(keys.dtype))
-            values.scatter_(2, index, v.to(values.dtype))
+        if written:  # the compiled decode part wrote them (`_project_into_cache`)
+            pass
+        elif rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
+            _write_cache(keys, values, k, v, (self._row_ids, self._head_ids, positions[:, None]))
         else:  # a subset of rows (prefill of new prompts into their slots)
             keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
             values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
@@ -397,6 +432,8 @@ class StaticLM:
             torch.compile(_project, backend=backend, dynamic=False),
             torch.compile(_finish, backend=backend, dynamic=False),
         )
+        # the decode steps' project part writes the K/V itself (one kernel with RoPE)
+        self._decode_writes = torch.compile(_project_into_cache, backend=backend, dynamic=False)
         if prefill:
             self._prefill_parts = (
                 torch.compile(_prefill_project, backend=backend),
@@ -485,12 +522,21 @@ class StaticLM:
         else:
             project, finish = self._prefill_parts or (_project, _finish)
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        writes = self._decode_writes if rows is None and n == 1 else None
+        at = (self._row_ids, self._head_ids, positions[:, None])
         for i, layer in enumerate(self.layers):
-            q, k, v = project(layer, self._fused[i], x, rope, shape)
+            if writes is not None:
+                keys, values = self.keys[i], self.values[i]
+                q = writes(layer, self._fused[i], x, rope, shape, keys, values, at)
+                k = v = q  # unused: written
+            else:
+                q, k, v = project(layer, self._fused[i], x, rope, shape)
             if flat:  # [1, h, R*n, D] -> [R, h, n, D] (views)
                 q, k, v = (a[0].unflatten(1, (r, n)).transpose(0, 1) for a in (q, k, v))
             mask = masks[self.windows[i]]
-            out = self._attention(i, q, k, v, positions, mask, rows, kv_len, flat=flat)
+            out = self._attention(
+                i, q, k, v, positions, mask, rows, kv_len, flat=flat, written=writes is not None
+            )
             if flat and out._base is not None:  # a view (one-token prompts): its base's
                 out = out.clone()  # sizes would enter the compiled part's guards
             x = finish(layer, self._fused[i], x, out)

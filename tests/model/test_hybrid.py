@@ -4,6 +4,7 @@ Qwen3.5, Qwen3.5-MoE and Qwen3-Next models (layers linear, linear, linear, full)
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import types
 
@@ -241,6 +242,11 @@ def install_fake_fla(monkeypatch, version: str = "0.6.0") -> None:
         seg = segments(q, cu_seqlens, cu_seqlens_cpu)
         return hybrid.REFERENCE_KERNELS.rule(q, k, v, g, beta, seg), None
 
+    # transformers binds its fla-or-torch kernels when a hybrid's modeling module is first
+    # imported: import them now, with the real environment, or the stand-in stays bound for
+    # the rest of the process and later tests in this worker call it
+    for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     modules = {name: types.ModuleType(name) for name in FLA_MODULES}
     modules["fla"].__version__ = version  # type: ignore[attr-defined]
     modules["fla.modules.causal_conv1d"].causal_conv1d = causal_conv1d  # type: ignore[attr-defined]
