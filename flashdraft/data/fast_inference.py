@@ -116,12 +116,11 @@ class SlotDecoder:
     reads only its own K/V blocks) or "varlen" (only its own slots; see `StaticLM`);
     compile_backend: compile the decode steps' dense layer parts first
     (`StaticLM.compile_layers`);
-    compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes);
-    fuse: q/k/v and gate/up as one GEMM each (default: the class's `fuse`).
+    compile_prefill: with compile_backend, the prefill batches' parts too (dynamic shapes).
     """
 
     # q/k/v and gate/up as one GEMM each (`StaticLM.fuse_projections`; a copy of those
-    # weights). A class attribute, so benches can time it off.
+    # weights). A class attribute, as `ladder_steps`: benches and tests set it.
     fuse: bool = True
 
     def __init__(
@@ -142,10 +141,9 @@ class SlotDecoder:
         attention: str = "sdpa",
         compile_backend: str | Callable[..., Any] | None = None,
         compile_prefill: bool = False,
-        fuse: bool | None = None,
     ) -> None:
         self.lm = StaticLM(model, slots, max_len, attention=attention)
-        if self.fuse if fuse is None else fuse:
+        if self.fuse:
             self.lm.fuse_projections()
         if compile_backend is not None:
             self.lm.compile_layers(compile_backend, prefill=compile_prefill)

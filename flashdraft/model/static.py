@@ -281,28 +281,27 @@ class StaticLM:
         blocks = torch.arange(max_len // FLEX_BLOCK, dtype=torch.int32, device=self.device)
         self._kv_indices = blocks[None, None, None, :]  # every row reads blocks 0, 1, ...
         self._flex = _compiled_flex if self.device.type == "cuda" else flex_attention
-        self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (_project, _finish)
+        # decode steps (every row, one token): the project part writes the K/V itself
+        self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (
+            _project_into_cache,
+            _finish,
+        )
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         self._fused: list[Fused | None] = [None] * len(self.layers)
         # index_put_ coordinates of a call of every row (`_write_cache`)
         self._row_ids = torch.arange(rows, device=self.device)[:, None, None]
         self._head_ids = torch.arange(self.num_kv_heads, device=self.device)[None, :, None]
-        self._decode_writes: Callable[..., Any] | None = None
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        flash = self.flash_anywhere or (self.device.type == "cuda" and half and varlen.FLASH_USED_K)
+        # attention="varlen" where the flash kernel runs (elsewhere those steps run sdpa)
+        self._own_slots = attention == "varlen" and flash
+        # Whether a one-token step of every row reads only each row's slots 0..position on
+        # every layer: its cost does not depend on `kv_len`, so decoders can run every step
+        # at one length (one graph).
+        self.steps_read_own_slots = self._own_slots and all(w is None for w in self.windows)
 
     # Whether `varlen._flash_varlen` runs here (tests set it to run their emulation on CPU).
     flash_anywhere: bool = False
-
-    def _flash_ok(self) -> bool:
-        half = self.dtype in (torch.float16, torch.bfloat16)
-        return self.flash_anywhere or (self.device.type == "cuda" and half and varlen.FLASH_USED_K)
-
-    @property
-    def steps_read_own_slots(self) -> bool:
-        """Whether a one-token step of every row reads only each row's slots 0..position on
-        every layer (attention="varlen", full-attention layers only): its cost does not
-        depend on `kv_len`, so decoders can run every step at one length (one graph)."""
-        full = all(w is None for w in self.windows)
-        return self.attention == "varlen" and full and self._flash_ok()
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -359,25 +358,24 @@ class StaticLM:
         self,
         i: int,
         q: Tensor,
-        k: Tensor,
-        v: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
         positions: Tensor,
         mask: Tensor | BlockMask | varlen.OwnSlots | None,
         rows: Tensor | None,
         kv_len: int,
         *,
         flat: bool = False,
-        written: bool = False,
     ) -> Tensor:
         """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D]
-        (flat: [1, R*n, Hq*D]); writes this call's K/V into layer i's cache first (unless
-        `written`: then k / v are unused). mask None: the call's own tokens from position 0,
-        causal (`fresh`)."""
+        (flat: [1, R*n, Hq*D]); writes this call's K/V into layer i's cache first (k / v
+        None: the decode part has written them, `_project_into_cache`). mask None: the
+        call's own tokens from position 0, causal (`fresh`)."""
         r, _, n, d = q.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         out_shape = (1, r * n, hq * d) if flat else (r, n, hq * d)
         keys, values = self.keys[i], self.values[i]
-        if written:  # the compiled decode part wrote them (`_project_into_cache`)
+        if k is None or v is None:  # written by the decode part
             pass
         elif rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
             _write_cache(keys, values, k, v, (self._row_ids, self._head_ids, positions[:, None]))
@@ -385,6 +383,8 @@ class StaticLM:
             keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
             values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
         if mask is None:  # fresh prompts: causal over the call's own K/V
+            if k is None or v is None:  # a one-token prompt as a decode step: slot 0, written
+                k, v = keys[:, :, :n], values[:, :, :n]
             g = hq // hkv
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             # Not cuDNN: it builds an execution plan per new shape, and every prefill batch
@@ -429,11 +429,9 @@ class StaticLM:
         kernels (norms, RoPE, SiLU;
         `benchmarks/raw/small_targets_h200_20261201b/call5_prefill_profile.txt`)."""
         self._decode_parts = (
-            torch.compile(_project, backend=backend, dynamic=False),
+            torch.compile(_project_into_cache, backend=backend, dynamic=False),
             torch.compile(_finish, backend=backend, dynamic=False),
         )
-        # the decode steps' project part writes the K/V itself (one kernel with RoPE)
-        self._decode_writes = torch.compile(_project_into_cache, backend=backend, dynamic=False)
         if prefill:
             self._prefill_parts = (
                 torch.compile(_prefill_project, backend=backend),
@@ -506,7 +504,7 @@ class StaticLM:
                 masks |= {w: windowed[w] for w in masked}
         elif self.attention == "flex" and rows is None and n == 1:
             masks = self._block_masks(positions, kv_len)
-        elif self.attention == "varlen" and rows is None and n == 1 and self._flash_ok():
+        elif self._own_slots and rows is None and n == 1:
             windows = [w for w in set(self.windows) if w is not None]
             plan = varlen.OwnSlots(
                 positions, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.max_len
@@ -517,26 +515,26 @@ class StaticLM:
             masks = self._masks(positions, kv_len)
         wanted = set(self.tap_ids)
         taps: dict[int, Tensor] = {}
-        if rows is None and n == 1:
-            project, finish = self._decode_parts
-        else:
-            project, finish = self._prefill_parts or (_project, _finish)
+        decode = rows is None and n == 1
+        parts: tuple[Callable[..., Any], Callable[..., Any]] = (
+            self._decode_parts if decode else self._prefill_parts or (_project, _finish)
+        )
+        project, finish = parts
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
-        writes = self._decode_writes if rows is None and n == 1 else None
         at = (self._row_ids, self._head_ids, positions[:, None])
         for i, layer in enumerate(self.layers):
-            if writes is not None:
-                keys, values = self.keys[i], self.values[i]
-                q = writes(layer, self._fused[i], x, rope, shape, keys, values, at)
-                k = v = q  # unused: written
+            k: Tensor | None
+            v: Tensor | None
+            if decode:  # the part writes this step's K/V into the cache (k, v: None)
+                fused = self._fused[i]
+                q = project(layer, fused, x, rope, shape, self.keys[i], self.values[i], at)
+                k = v = None
             else:
                 q, k, v = project(layer, self._fused[i], x, rope, shape)
-            if flat:  # [1, h, R*n, D] -> [R, h, n, D] (views)
-                q, k, v = (a[0].unflatten(1, (r, n)).transpose(0, 1) for a in (q, k, v))
+                if flat:  # [1, h, R*n, D] -> [R, h, n, D] (views)
+                    q, k, v = (a[0].unflatten(1, (r, n)).transpose(0, 1) for a in (q, k, v))
             mask = masks[self.windows[i]]
-            out = self._attention(
-                i, q, k, v, positions, mask, rows, kv_len, flat=flat, written=writes is not None
-            )
+            out = self._attention(i, q, k, v, positions, mask, rows, kv_len, flat=flat)
             if flat and out._base is not None:  # a view (one-token prompts): its base's
                 out = out.clone()  # sizes would enter the compiled part's guards
             x = finish(layer, self._fused[i], x, out)

@@ -86,9 +86,7 @@ def slowest_kernels(limit: int = 12) -> list[tuple[str, float]]:
         raw = getattr(metrics, "triton_kernel_compile_times_us", None)
         if not raw:
             continue
-        entries = json.loads(raw) if isinstance(raw, str) else raw
-        for entry in entries:
-            name, us = (entry[0], entry[1]) if isinstance(entry, list | tuple) else entry
+        for name, us in json.loads(raw) if isinstance(raw, str) else raw:  # [[name, us]]
             times[str(name)] = max(times.get(str(name), 0.0), float(us) / 1e6)
     return sorted(times.items(), key=lambda kv: -kv[1])[:limit]
 

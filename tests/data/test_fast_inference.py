@@ -234,7 +234,9 @@ def test_compiled_prefill_and_steps_keep_every_token(model, prompts) -> None:
     [("sdpa", False), ("flex", False), ("sdpa", True), ("varlen", False), ("varlen", True)],
     ids=["sdpa", "flex", "sdpa-compiled-prefill", "varlen", "varlen-compiled-prefill"],
 )
-def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled) -> None:
+def test_graphed_slots_equal_the_eager_ones_on_cuda(
+    prompts, attention, compiled, monkeypatch
+) -> None:
     """Graphed windows with fused projections (compiled flex for "flex"; the flash kernel
     for "varlen", one graph for every length; inductor's decode and prefill parts for
     "compiled") give the eager, unfused sdpa steps' tokens; prompts of up to 150 tokens put
@@ -252,6 +254,7 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled
     prompts = prompts + [[rng.randrange(60) for _ in range(n)] for n in (120, 150)]
     outputs = []
     for graphs, kind in ((False, "sdpa"), (True, attention)):
+        monkeypatch.setattr(SlotDecoder, "fuse", graphs)  # the reference: separate GEMMs
         decoder = SlotDecoder(
             model,
             5,
@@ -263,7 +266,6 @@ def test_graphed_slots_equal_the_eager_ones_on_cuda(prompts, attention, compiled
             attention=kind,
             compile_backend="inductor" if graphs and compiled else None,
             compile_prefill=graphs and compiled,
-            fuse=graphs,  # the reference: separate projections, eager steps
         )
         if graphs and half:  # the flash path runs, one graph for every length
             assert decoder.lm.steps_read_own_slots

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 import types
 
@@ -81,6 +82,29 @@ def assert_packed_equals_alone(target: Target, rtol: float) -> None:
                 assert diff <= rtol * scale, (r, len(doc), layer, diff, scale)
             assert torch.equal(labels[r, start : start + len(doc)], logits[0].argmax(-1))
             start += len(doc)
+
+
+def test_the_reference_rule_is_torch_s_even_where_transformers_bound_fla(monkeypatch) -> None:
+    """transformers binds `torch_chunk_gated_delta_rule` to fla's kernel when fla was
+    importable at its first import; the reference kernels must still be the torch
+    arithmetic (unwrapped), or on a machine with fla they would compare fla with fla."""
+    import functools
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+    @functools.wraps(torch_rule)
+    def bound_to_fla(*args, **kwargs):
+        raise AssertionError("the reference called the fla-bound wrapper")
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", bound_to_fla)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
+    v, g, beta = torch.randn(1, 10, 4, 8), -torch.rand(1, 10, 4), torch.rand(1, 10, 4)
+    segments = hybrid.Segments(torch.tensor([0, 4, 10]), torch.tensor([0, 4, 10]), 1, 10)
+    out = hybrid.REFERENCE_KERNELS.rule(q, k, v, g, beta, segments)
+    assert out.shape == (1, 10, 4, 8) and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("path", ["per-document", "reference kernels"])

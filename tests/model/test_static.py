@@ -348,6 +348,30 @@ def test_a_fresh_prefill_attends_within_the_call_and_fills_the_same_cache(target
 
 
 @torch.no_grad()
+def test_a_one_token_fresh_prompt_of_every_row_runs_as_a_decode_step(target) -> None:
+    """rows None, one token, `fresh`: the decode part writes the K/V itself, and the
+    within-call attention reads them back from slot 0: the same logits, taps and cache as
+    the same call without `fresh`, compiled parts included."""
+    from torch._dynamo.testing import CompileCounter
+
+    ids, positions = torch.tensor([[5], [9]]), torch.zeros(2, 1, dtype=torch.long)
+    lms = [StaticLM(target, 2, 64, [1]) for _ in range(3)]
+    torch._dynamo.reset()
+    lms[2].compile_layers(CompileCounter())
+    (a, ta), *others = (
+        lm(ids, positions, kv_len=16, fresh=fresh)
+        for lm, fresh in zip(lms, (False, True, True), strict=True)
+    )
+    for b, tb in others:
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tb, ta, rtol=1e-5, atol=1e-5)
+    for lm in lms[1:]:
+        for x, y in zip(lms[0].keys + lms[0].values, lm.keys + lm.values, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+@torch.no_grad()
 def test_the_whole_step_traces_in_one_graph_as_the_eval_loop_compiles_it() -> None:
     """`flashdraft eval`'s static loop compiles `StaticLM.__call__` with fullgraph=True (on
     CUDA, inductor): a graph break anywhere in a decode step (a context manager, a host read)
