@@ -5,15 +5,15 @@
 # decode and step times do not depend on the weights), and the GPU tests use tiny random
 # models or the tiny Qwen3 the test fixtures build from the transformers package alone.
 #
-#   bash bench/fast_session.sh decode   # one call, ~6 min: GPU tests of the static paths,
-#                                       #   generate tok/s (sdpa and varlen, and a profile)
+#   bash bench/fast_session.sh decode   # one call, ~5 min: GPU tests of the static paths,
+#                                       #   generate tok/s (varlen and sdpa, and a profile)
 #   bash bench/fast_session.sh speed    # ~2 min: decode ms/token (HF eager vs static, graphs,
 #                                       #   compiled), the speculative loop overhead
-#   bash bench/fast_session.sh train    # a second call, ~7-8 min: the cold compile before the
-#                                       #   first step, the compiled-target GPU tests, the online
+#   bash bench/fast_session.sh train    # ~5 min: the cold compile before the first step (caches
+#                                       #   of its own), the compiled-target GPU tests, the online
 #                                       #   step with a SmolLM2-shaped target and a 3-layer drafter
-#   bash bench/fast_session.sh train4   # ~4 min: the same at 4 rows per forward (a new shape:
-#                                       #   a cold compile of ~3 min)
+#                                       #   at 1 row per forward, then the train4 stage's
+#   bash bench/fast_session.sh train4   # ~2-3 min: the same at 4 and 8 rows per forward
 #   bash bench/fast_session.sh train1p7b  # ~4-5 min: a 1.7B-shaped target (28 x 2048), cold
 #   bash bench/fast_session.sh train8b  # optional third call, ~4 min: the Qwen3-8B-shaped step
 #                                       #   (must not regress: system MFU >= 60% at 8192 tokens)
@@ -56,53 +56,55 @@ decode)
   run gpu_tests 120 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
     tests/data/test_fast_inference.py tests/eval/test_evaluate.py
   # the issue's generate row: 256 slots, 128 new tokens, prompts of 32..512 tokens, compiled
-  # decode parts, one graph per window, q/k/v and gate/up fused, 4 attention lengths per
-  # octave (`generate`'s CUDA default; 2026-12-03 s16: 41.6-42.0K tok/s at 1,024 prompts,
-  # 53.3K at 4,096), against the flash kernel over each slot's own positions (varlen: one
-  # graph for every length), at the reference run's lengths too, and a profile of varlen
+  # decode parts, one graph per window, q/k/v and gate/up fused, the flash kernel over each
+  # slot's own positions (varlen: one graph for every length; `generate`'s CUDA default since
+  # 2026-12-03 s17: 66.8K tok/s at 1,024 prompts, 68.2K at 4,096), against sdpa (53.2K), at
+  # the reference run's lengths too (49.3K vs 40.0K), and a profile
   GEN="--synthetic --backends static --batch-size 256 --max-new-tokens 128 --compile"
   # shellcheck disable=SC2086  # GEN is a list of flags
   run generate 60 python3 bench/generate.py $GEN --prompts 1024
   # shellcheck disable=SC2086
-  run generate_varlen 60 python3 bench/generate.py $GEN --prompts 1024 --attention varlen
+  run generate_sdpa 60 python3 bench/generate.py $GEN --prompts 1024 --attention sdpa
   # shellcheck disable=SC2086
-  run generate_varlen_4096 70 python3 bench/generate.py $GEN --prompts 4096 --attention varlen
+  run generate_4096 70 python3 bench/generate.py $GEN --prompts 4096
   # the reference data's lengths (prompts of 200..1,200 tokens, 192 new, 512 slots), where
-  # the attention reads weigh most: sdpa, then varlen
+  # the attention reads weigh most: varlen, then sdpa
   REF="--synthetic --backends static --prompts 2048 --prompt-lengths 200,1200 --max-new-tokens 192 --batch-size 512 --compile"
   # shellcheck disable=SC2086
   run generate_ref 60 python3 bench/generate.py $REF
   # shellcheck disable=SC2086
-  run generate_ref_varlen 60 python3 bench/generate.py $REF --attention varlen
-  # the prefill's parts compiled too (s16: 24.4K, but ~2 s of its compile ran in the timed
-  # part; the bench's warm-up now compiles both prefill graphs first)
+  run generate_ref_sdpa 60 python3 bench/generate.py $REF --attention sdpa
+  # the prefill's parts compiled too (s17, with sdpa: 50.0K vs 53.2K, within the noise)
   # shellcheck disable=SC2086
   run generate_prefill 60 python3 bench/generate.py $GEN --prompts 1024 --compile-prefill
   # shellcheck disable=SC2086
-  run generate_profile 80 python3 bench/generate.py $GEN --prompts 1024 --attention varlen \
-    --profile
+  run generate_profile 80 python3 bench/generate.py $GEN --prompts 1024 --profile
   ;;
 speed)
   # batch-1 decode: HF eager vs static (eager kernels / graphs / compiled + graphs), B=16 loop
   run eval_speed 110 python3 bench/eval.py --speed
   ;;
 train)
-  # first in a fresh machine, so that it is the cold-cache number (goal: <= 60 s; it took
-  # 154-221 s before: 2026-12-03 s16 a 150 s limit killed it, and the runs after it, with
-  # limits of 110 and 90 s, compiled the rest cold and were killed too)
+  # the cold start (goal: <= 60 s): empty inductor and Triton caches of its own, so that it
+  # is cold on a warm machine too (154-221 s before; 2026-12-03 s17: 170 s, 141 of them one
+  # Triton kernel, compiled create_block_mask's argsort, now built eagerly)
   # (`--first-step`: the trainer built, its first two steps timed apart, dynamo's account
   # of the compile and the kernels whose Triton compiles took longest)
-  run first_step_smollm2 300 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 --first-step
+  COLD=$(mktemp -d)
+  TORCHINDUCTOR_CACHE_DIR=$COLD/inductor TRITON_CACHE_DIR=$COLD/triton \
+    run first_step_smollm2 300 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 --first-step
   run train_gpu_tests 100 $PYTEST tests/train/test_parallel.py tests/train/test_features.py \
-    -k "compiled or run_target"
+    tests/model/test_attention.py tests/model/test_drafter.py -k "compiled or run_target or cuda"
   # the issue's training row: SmolLM2-shaped target, 3-layer drafter, 8192-token rows, A = 512,
-  # one row per forward (s16: 148K tok/s) and four (s16: 435K; 177 s to compile that shape)
+  # one row per forward (s16: 148K tok/s), four (s16: 435K) and eight
   run trainer_smollm2 120 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
     --skip-overlap-off --warmup 3 --iters 10
-  ;;
+  ;&
 train4)
-  run trainer_smollm2_r4 250 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
+  run trainer_smollm2_r4 150 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
     --rows-per-forward 4 --skip-overlap-off --warmup 3 --iters 8
+  run trainer_smollm2_r8 180 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
+    --rows-per-forward 8 --skip-overlap-off --warmup 2 --iters 6
   ;;
 train1p7b)
   # the 1-2B row (goal: system MFU >= 45%; s16: 64.8%, 177 s to compile cold)

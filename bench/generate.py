@@ -78,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--attention",
         choices=("sdpa", "flex", "varlen"),
-        default="sdpa",
+        default="varlen",
         help="--synthetic: the static step's attention (flex: each slot reads its own blocks; "
         "varlen: the flash kernel over each slot's own positions, one graph for all lengths)",
     )

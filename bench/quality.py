@@ -140,8 +140,8 @@ class QualityConfig:
     )
     top_p: float = option(0.95, gt=0, le=1, help="nucleus share of the sampled answers")
     gen_batch: int = option(256, ge=1, help="prompts per generation batch")
-    gen_attention: Literal["sdpa", "flex"] = option(
-        "sdpa", help="attention of the static generation steps (`generate --static-attention`)"
+    gen_attention: Literal["sdpa", "flex", "varlen"] = option(
+        "varlen", help="attention of the static generation steps (`generate --static-attention`)"
     )
     gen_chunk: int = option(
         8192, ge=1, help="prompts per generate call (the deadline is checked between calls)"

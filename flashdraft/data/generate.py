@@ -104,10 +104,11 @@ class GenerateConfig:
         None, ge=1, help="token budget per batch: rows × (longest prompt + max new tokens)"
     )
     static_attention: Literal["sdpa", "flex", "varlen"] = option(
-        "sdpa",
-        help="static backend: the decode steps' attention (flex: each slot reads only its own "
-        "K/V blocks, not every slot up to the longest request's position; varlen: the flash "
-        "kernel over each slot's own positions, CUDA; not yet timed)",
+        "varlen",
+        help="static backend: the decode steps' attention (varlen: the flash kernel over each "
+        "slot's own positions, one graph for every length, CUDA in half precision, elsewhere "
+        "sdpa; 53.2K -> 66.8K tok/s on an H200; sdpa: every slot up to the longest request's "
+        "position, masked; flex: each slot's own K/V blocks)",
     )
     static_compile: bool = option(
         True,

@@ -232,7 +232,7 @@ class StaticBackend:
         sync_every: int = 8,
         min_admit: int = 1,
         graphs: bool | None = None,
-        attention: str = "sdpa",
+        attention: str = "varlen",
         compile_backend: str | None = None,
         compile_prefill: bool = False,
     ):
@@ -372,7 +372,7 @@ def load_backend(
     vllm_kwargs: dict[str, Any] | None = None,
     batch_size: int = 32,
     max_batch_tokens: int | None = None,
-    static_attention: str = "sdpa",
+    static_attention: str = "varlen",
     static_compile: bool = False,
     static_min_admit: int = 1,
     static_compile_prefill: bool = False,

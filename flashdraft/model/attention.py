@@ -19,6 +19,11 @@ Every query sees at least itself, so no row of the mask is empty.
 CUDA uses compiled flex_attention with a sparse BlockMask built from the `mask_mod`; the CPU
 has no flex backward, so it materialises the very same `mask_mod` with `create_mask` and runs
 SDPA. `tests/test_attention.py` checks the two agree.
+
+The BlockMask is built in two parts (`block_mask`): a compiled reduction of the `mask_mod` to
+per-tile counts, then the ordering of the tiles eagerly. torch 2.11 compiles
+`create_block_mask`'s own ordering (an argsort) into one Triton kernel that took 141 s of a
+170 s cold first step on an H200 (2026-12-03); eager, it is a few small sorts per step.
 """
 
 from __future__ import annotations
@@ -30,20 +35,59 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import (
-    BlockMask,
-    create_block_mask,
-    create_mask,
-    flex_attention,
-)
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 Backend = Literal["flex", "sdpa"]
 # (batch, head, query index, key index) -> visible; all 0-d tensors under flex's vmap.
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
+FLEX_TILE = 128  # query and key rows per BlockMask tile (flex's default)
+
+
+def tile_maps(
+    mask_mod: MaskMod, rows: int, q_len: int, kv_len: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """[R, 1, ceil(Q/128), ceil(S/128)] bool maps of the tiles the mask_mod partly and fully
+    opens. Compiled, the [R, 1, Q, S] mask is never materialised (one fused reduction)."""
+    mask = create_mask(mask_mod, rows, None, q_len, kv_len, device=device)
+    pad_q, pad_kv = -q_len % FLEX_TILE, -kv_len % FLEX_TILE
+    mask = F.pad(mask, (0, pad_kv, 0, pad_q))  # padding is masked: no tile there is full
+    q_tiles, kv_tiles = (q_len + pad_q) // FLEX_TILE, (kv_len + pad_kv) // FLEX_TILE
+    tiles = mask.view(rows, 1, q_tiles, FLEX_TILE, kv_tiles, FLEX_TILE)
+    opened = tiles.sum(dim=(3, 5), dtype=torch.int32)
+    full = opened == FLEX_TILE * FLEX_TILE
+    return (opened > 0) & ~full, full
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """A [..., rows, cols] tile map -> (open tiles per row, their column indices first), the
+    BlockMask layout; argsort on the map (stable, so open columns keep ascending order)."""
+    flags = tiles.to(torch.int32)
+    counts = flags.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(flags, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, indices
+
+
 # Compiled once at module scope (STYLE): compiling per call would recompile every step.
 _flex_attention = torch.compile(flex_attention, dynamic=False)
-_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+_tile_maps = torch.compile(tile_maps, dynamic=False)
+
+
+def block_mask(
+    mask_mod: MaskMod, rows: int, q_len: int, kv_len: int, device: torch.device
+) -> BlockMask:
+    """What `create_block_mask(mask_mod, rows, None, q_len, kv_len)` builds (its default
+    separate full tiles included), with only the tile counting compiled (module docstring).
+    The CPU counts eagerly (it has no flex backward to train with anyway)."""
+    count = _tile_maps if device.type == "cuda" else tile_maps
+    partial, full = count(mask_mod, rows, q_len, kv_len, device)
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=FLEX_TILE,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )
 
 
 def default_backend(device: torch.device) -> Backend:
@@ -114,7 +158,7 @@ def build_mask(layout: BlockLayout, backend: Backend, sliding_window: int | None
     kv_len = layout.context_len + q_len
     device = layout.anchors.device
     if backend == "flex":
-        return _create_block_mask(mask_mod, rows, None, q_len, kv_len, device=device)
+        return block_mask(mask_mod, rows, q_len, kv_len, device)
     return create_mask(mask_mod, rows, None, q_len, kv_len, device=device)
 
 
@@ -166,5 +210,5 @@ def build_document_mask(doc_ids: Tensor, backend: Backend) -> Mask:
     rows, length = doc_ids.shape
     mask_mod = document_causal_mask_mod(doc_ids)
     if backend == "flex":
-        return _create_block_mask(mask_mod, rows, None, length, length, device=doc_ids.device)
+        return block_mask(mask_mod, rows, length, length, doc_ids.device)
     return create_mask(mask_mod, rows, None, length, length, device=doc_ids.device)

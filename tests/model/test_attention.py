@@ -3,7 +3,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
-from flashdraft.model.attention import BlockLayout, build_mask, decode_mask, dflash_mask_mod
+from flashdraft.model.attention import (
+    BlockLayout,
+    block_mask,
+    build_mask,
+    decode_mask,
+    dflash_mask_mod,
+    document_causal_mask_mod,
+)
 
 
 def _layout(valid: list[bool] | None = None) -> BlockLayout:
@@ -100,13 +107,53 @@ def test_every_query_sees_something() -> None:
     assert mask.any(dim=-1).all()
 
 
-def _random_layout(seed: int, rows: int = 2, ctx: int = 40, anchors: int = 5, block: int = 4):
+def _random_layout(
+    seed: int, rows: int = 2, ctx: int = 40, anchors: int = 5, block: int = 4, new_doc: float = 0.15
+) -> BlockLayout:
     gen = torch.Generator().manual_seed(seed)
-    docs = torch.cumsum((torch.rand(rows, ctx, generator=gen) < 0.15).long(), dim=1)
+    docs = torch.cumsum((torch.rand(rows, ctx, generator=gen) < new_doc).long(), dim=1)
     docs[:, -3:] = -1  # padding tail
     anchor_idx = torch.sort(torch.randint(0, ctx - 3, (rows, anchors), generator=gen)).values
     valid = torch.rand(rows, anchors, generator=gen) < 0.8
     return BlockLayout(anchor_idx, valid, docs, block)
+
+
+def _assert_same_block_mask(got, want) -> None:  # type: ignore[no-untyped-def]
+    """Equal tile for tile: counts, and the indices up to each row's count (past it they are
+    unused, and argsort may order them differently)."""
+    assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths
+    for name in ("kv", "full_kv", "q", "full_q"):
+        counts, indices = (getattr(got, f"{name}_{part}") for part in ("num_blocks", "indices"))
+        ref_counts, ref_indices = (
+            getattr(want, f"{name}_{part}") for part in ("num_blocks", "indices")
+        )
+        assert counts.dtype == ref_counts.dtype == torch.int32, name
+        assert torch.equal(counts, ref_counts), name
+        used = torch.arange(indices.shape[-1], device=counts.device) < counts[..., None]
+        assert torch.equal(indices[used], ref_indices[used]), name
+    assert torch.equal(got.to_dense(), want.to_dense())
+
+
+@pytest.mark.parametrize(
+    ("window", "device"),
+    [(None, "cpu"), (200, "cpu"), pytest.param(None, "cuda", marks=pytest.mark.gpu)],
+)
+def test_the_block_mask_is_torch_create_block_mask(window: int | None, device: str) -> None:
+    """`block_mask` (tile counts compiled on CUDA, ordering eager: torch 2.11 compiled
+    create_block_mask's argsort for 141 s) builds torch's own BlockMask, full tiles apart, for
+    the drafter's mask over several 128-tiles (partial tiles at the ends too) and the target's
+    document mask."""
+    cpu = _random_layout(1, rows=2, ctx=700, anchors=40, block=16, new_doc=0.004)
+    layout = BlockLayout(*(t.to(device) for t in (cpu.anchors, cpu.anchor_valid, cpu.doc_ids)), 16)  # type: ignore[arg-type]
+    mask_mod = dflash_mask_mod(layout, window)
+    q_len, kv_len = layout.num_queries, layout.context_len + layout.num_queries
+    got = block_mask(mask_mod, 2, q_len, kv_len, torch.device(device))
+    want = create_block_mask(mask_mod, 2, None, q_len, kv_len, device=device)
+    _assert_same_block_mask(got, want)
+    doc_mod = document_causal_mask_mod(layout.doc_ids)
+    want = create_block_mask(doc_mod, 2, None, 700, 700, device=device)
+    assert want.full_kv_num_blocks.sum() > 0  # the case has full tiles to tell apart
+    _assert_same_block_mask(block_mask(doc_mod, 2, 700, 700, torch.device(device)), want)
 
 
 @pytest.mark.parametrize("window", [None, 6])
