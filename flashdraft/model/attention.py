@@ -100,7 +100,8 @@ class BlockLayout:
 
     anchors:      [R, A] long  packed index of each block's anchor (any index when invalid)
     anchor_valid: [R, A] bool  False for padding anchors (fixed A keeps shapes static)
-    doc_ids:      [R, T] long  document of each context token, -1 for padding
+    doc_ids:      [R, T] long  document of each context token, -1 for padding; a document
+                               is one run of equal ids (packing lays documents out so)
     """
 
     anchors: Tensor
@@ -126,22 +127,38 @@ def in_window(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
     return (k_pos <= q_pos) & (q_pos - k_pos < window)
 
 
+def document_starts(doc_ids: Tensor) -> Tensor:
+    """[R, T] -> [R, T]: where the document of each token starts (a document is a run of
+    equal ids, as packing lays them out)."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.where(first, index, 0).cummax(dim=1).values
+
+
 def dflash_mask_mod(layout: BlockLayout, sliding_window: int | None = None) -> MaskMod:
-    """The SPEC section 4 visibility rule as a flex_attention `mask_mod`."""
-    anchors, valid, docs = layout.anchors, layout.anchor_valid, layout.doc_ids
-    block, ctx_len = layout.block_size, layout.context_len
+    """The SPEC section 4 visibility rule as a flex_attention `mask_mod`.
+
+    Block j's context is the range [start of its anchor's document, anchor): the rule reads
+    per-query values only (anchor, validity, the document start at the anchor) and no key's
+    document, which the flex kernels would load for every partly open tile. The anchors are
+    read when the mask is evaluated (the eval loop moves its anchor in place between
+    replays of a CUDA graph); the document starts are computed here, once.
+    """
+    anchors, valid, block = layout.anchors, layout.anchor_valid, layout.block_size
+    ctx_len = layout.context_len
+    starts = document_starts(layout.doc_ids)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         j, slot = q_idx // block, q_idx % block
         anchor = anchors[b, j]
-        is_ctx = kv_idx < ctx_len
-        c = torch.clamp(kv_idx, max=ctx_len - 1)  # keep the gather in range for block keys
-        sees_ctx = is_ctx & valid[b, j] & (c < anchor) & (docs[b, c] == docs[b, anchor])
+        # kv_idx < anchor < T: a context key
+        sees_ctx = valid[b, j] & (kv_idx < anchor) & (kv_idx >= starts[b, anchor])
         k = kv_idx - ctx_len
-        sees_block = ~is_ctx & (k // block == j)
+        sees_block = (kv_idx >= ctx_len) & (k // block == j)
         if sliding_window is not None:
             # Packed indices: the query sits at anchor + slot, block key k at anchor + k % B.
-            sees_ctx = sees_ctx & in_window(anchor + slot, c, sliding_window)
+            sees_ctx = sees_ctx & in_window(anchor + slot, kv_idx, sliding_window)
             sees_block = sees_block & in_window(slot, k % block, sliding_window)
         return sees_ctx | sees_block
 

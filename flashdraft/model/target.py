@@ -410,10 +410,13 @@ class Target:
         chunk_rows: int = 4096,
         soft_top_k: int = 0,
         segments: varlen.Segments | None = None,
+        label_index: Tensor | None = None,
     ) -> TargetOutputs:
         """One packed forward: the taps, and at label_positions [R, ...] (packed indices) the
         argmax next tokens and, when `soft_top_k` > 0, the top-k soft labels
-        (`TargetHead.labels_at`). The labels are computed only there, in chunks, from the
+        (`TargetHead.labels_at`). With `label_index` [R, ...], label_positions [1, N] are
+        indices into all R rows' tokens, each computed once, and the labels are theirs at
+        label_index (`flashdraft.train.features.label_plan`: overlapping blocks). The labels are computed only there, in chunks, from the
         final-normed last hidden state (never the full [R, T, V] logits).
         Per-document positions and a per-document causal mask make each document's taps
         identical to running it alone. A varlen target takes the documents' boundaries
@@ -439,9 +442,14 @@ class Target:
                 use_cache=False,
             )
             if label_positions is not None:
-                labels = self.head.labels_at(
-                    out.last_hidden_state, label_positions, chunk_rows, soft_top_k
-                )
+                last = out.last_hidden_state
+                if label_index is not None:  # over the rows' tokens as one sequence
+                    last = last.reshape(1, -1, last.shape[-1])
+                labels = self.head.labels_at(last, label_positions, chunk_rows, soft_top_k)
+                if label_index is not None:
+                    labels = tuple(
+                        t if t is None else t.reshape(-1, *t.shape[2:])[label_index] for t in labels
+                    )
         features = self.taps.features()  # outside inference mode: an ordinary tensor
         # Clones leave inference mode too: autograd may then use them like any tensor.
         next_tokens, soft_ids, soft_probs = (t if t is None else t.clone() for t in labels)

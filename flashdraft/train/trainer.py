@@ -410,13 +410,14 @@ class Trainer:
         )
         interval, last_record = Interval(), {}
         # The first step compiles (drafter layers, and the target on CUDA): say so, it takes
-        # ~3 minutes with a cold cache (an H200, 2026-12-03: 177 s for a SmolLM2-135M or a
-        # 1.7B-shaped target) and looks like a hang otherwise.
+        # ~30 s with a cold cache (an H200, 2026-12-03: 33 s for a SmolLM2-135M-shaped target
+        # and a 3-layer drafter; 170-177 s before the BlockMask ordering left the compile)
+        # and looks like a hang otherwise.
         compiling = self.device.type == "cuda" and (config.compile or config.target.compile)
         if compiling and self.step < self.total_steps:
             log.info(
                 "flashdraft train: compiling for the first step "
-                "(~3 minutes with a cold compile cache, seconds with a warm one)"
+                "(~30 s with a cold compile cache, seconds with a warm one)"
             )
             if progress is not None:
                 progress.set_description("train (compiling)")

@@ -221,3 +221,11 @@ def test_flex_equals_sdpa_forward_and_gradients_cuda(window: int | None) -> None
     for g_flex, g_ref in zip(grads_flex, grads_ref, strict=True):
         rel = (g_flex.float() - g_ref).norm() / g_ref.norm()
         assert rel < 2e-2, rel
+
+
+def test_document_starts_are_where_each_run_of_equal_ids_begins() -> None:
+    from flashdraft.model.attention import document_starts
+
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [5, 5, 5, 5, 5, 5, 5, 5]])
+    want = [[0, 0, 0, 3, 3, 5, 6, 6], [0] * 8]
+    assert document_starts(docs).tolist() == want

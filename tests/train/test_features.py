@@ -174,3 +174,36 @@ def test_the_run_target_is_compiled_on_cuda_only(tmp_path, tiny_qwen3_dir, qwen_
     assert not isinstance(target.model.model, torch._dynamo.eval_frame.OptimizedModule)
     for layer in decoder_layers(target.model):  # eager outside the packed forward's call
         assert "forward" not in layer.__dict__
+
+
+def test_the_label_plan_computes_each_needed_position_once() -> None:
+    """Overlapping blocks share label positions: `label_plan` lists each of the R rows'
+    positions once, as an index into all R*T tokens, and maps every slot back to its own."""
+    from flashdraft.train.blocks import label_positions
+    from flashdraft.train.features import label_plan
+    from flashdraft.train.packing import Row
+
+    def row(anchors: list[int]) -> Row:
+        at = torch.tensor(anchors)
+        zeros = torch.zeros(20, dtype=torch.long)
+        return Row(
+            input_ids=zeros,
+            position_ids=zeros,
+            doc_ids=zeros,
+            loss_mask=zeros,
+            anchors=at,
+            anchor_valid=torch.ones(len(anchors), dtype=torch.bool),
+            label_positions=label_positions(at[None], 4, 20)[0],
+            normaliser_mask=torch.ones(len(anchors), 4),
+            epoch=0,
+            index=0,
+            tokens=20,
+        )
+
+    rows = [row([2, 3, 10]), row([0, 18, 19])]
+    needed, index = label_plan(rows)
+    flat = torch.stack([r.label_positions for r in rows]) + torch.tensor([0, 20])[:, None, None]
+    assert torch.equal(needed[index], flat)  # every slot reads its own position
+    assert torch.equal(needed, torch.unique(flat))  # each once, sorted
+    # row 0: 2..4, 3..5, 10..12 -> 2..5 and 10..12; row 1: 0..2, 18, 19 (clamped) -> 20..22, 38, 39
+    assert needed.tolist() == [2, 3, 4, 5, 10, 11, 12, 20, 21, 22, 38, 39]
