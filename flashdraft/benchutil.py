@@ -74,6 +74,21 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int
     return Timing(statistics.median(times), q[0], q[-1], peak)
 
 
+def measure_back_to_back(fn: Callable[[], Any], device: torch.device, iters: int) -> Timing:
+    """Wall time per call of `fn` run `iters` times back to back, the device synchronised once
+    at the end: the steady state of a loop whose host prepares call k + 1 while the device
+    runs call k (a training run). `measure` synchronises after every call, so each call
+    there also pays the device's wait for its first launches. One number: no spread."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    per_call = (time.perf_counter() - t0) / iters
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return Timing(per_call, per_call, per_call, peak)
+
+
 def matmul_peak(device: torch.device, n: int = 8192, iters: int = 10) -> float:
     """Measured dense bf16 matmul rate in FLOP/s (random data, the MFU denominator)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -13,8 +13,14 @@ def test_bench_times_a_run_config_on_this_device(
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["bench"] == "run"
     names = [r["what"] for r in result["results"]]
-    assert names == ["target forward", "drafter step", "full online step"]
+    assert names == [
+        "target forward",
+        "drafter step",
+        "full online step",
+        "full online steps, back to back",  # no sync between steps: a run's steady state
+    ]
     assert result["overhead_ratio"] > 0 and result["tokens_per_s"] > 0
+    assert result["tokens_per_s_back_to_back"] > 0
     assert all(r["median_ms"] > 0 for r in result["results"])
 
 
@@ -32,8 +38,13 @@ def test_bench_with_stacked_rows_counts_every_row(
     assert cli.main(["bench", *settings, "--warmup", "0", "--iters", "2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["what"]: r["rows"] for r in result["results"]}
-    assert rows == {"target forward": 2, "drafter step": 2, "full online step": 4}
-    full = result["results"][-1]
+    assert rows == {
+        "target forward": 2,
+        "drafter step": 2,
+        "full online step": 4,
+        "full online steps, back to back": 4,
+    }
+    full = result["results"][-2]
     # tokens/s x seconds / rows = the mean real tokens of a packed row: up to a full row.
     per_row = full["tokens_per_s"] * full["median_ms"] / 1000 / 4
     assert 0.5 * full["row"] < per_row <= 1.01 * full["row"]
