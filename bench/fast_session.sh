@@ -94,7 +94,7 @@ train)
   COLD=$(mktemp -d)
   TORCHINDUCTOR_CACHE_DIR=$COLD/inductor TRITON_CACHE_DIR=$COLD/triton \
     run first_step_smollm2 300 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 --first-step
-  run train_gpu_tests 100 $PYTEST tests/train/test_parallel.py tests/train/test_features.py \
+  run train_gpu_tests 200 $PYTEST tests/train/test_parallel.py tests/train/test_features.py \
     tests/model/test_attention.py tests/model/test_drafter.py -k "compiled or run_target or cuda"
   # the training row: SmolLM2-shaped target, 3-layer drafter, 8192-token rows, A = 512,
   # one row per forward (s16: 148K tok/s), four (s16: 435K) and eight
