@@ -14,6 +14,7 @@
 #                                       #   step with a SmolLM2-shaped target and a 3-layer drafter
 #                                       #   at 1 row per forward, then the train4 stage's
 #   bash bench/fast_session.sh train4   # ~2-3 min: the same at 4 and 8 rows per forward
+#   bash bench/fast_session.sh flex     # ~6 min: the 8-row step under five flex kernel_options
 #   bash bench/fast_session.sh train1p7b  # ~4-5 min: a 1.7B-shaped target (28 x 2048), cold
 #   bash bench/fast_session.sh train8b  # optional third call, ~4 min: the Qwen3-8B-shaped step
 #                                       #   (must not regress: system MFU >= 60% at 8192 tokens)
@@ -23,7 +24,7 @@
 # (/tmp/torchinductor_root) survives between calls, so only the first compile is cold; the
 # `train` stage's first step is the cold-compile measurement only if it runs first.
 set -u
-stage=${1:?decode|speed|train|train4|train1p7b|train8b}
+stage=${1:?decode|speed|train|train4|flex|train1p7b|train8b}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -106,6 +107,18 @@ train4)
     --rows-per-forward 4 --skip-overlap-off --warmup 3 --iters 8
   run trainer_smollm2_r8 180 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
     --rows-per-forward 8 --skip-overlap-off --warmup 2 --iters 6
+  ;;
+flex)
+  # the drafter's flex_attention kernel_options at 8 rows per forward (s17 profile: the flex
+  # backward 16.7 ms and forward 9.1 ms of a 138 ms step, ~74 TFLOP/s): torch's defaults,
+  # then other tile sizes, TMA, and the no-empty-row promise (every DFlash query sees itself)
+  for opts in '{}' '{"USE_TMA": true}' '{"BLOCK_M": 64, "BLOCK_N": 128}' \
+    '{"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64}' \
+    '{"ROWS_GUARANTEED_SAFE": true}'; do
+    name=$(echo "$opts" | tr -cd 'A-Za-z0-9' | cut -c1-40)
+    run "flex_${name:-default}" 100 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
+      --rows-per-forward 8 --skip-overlap-off --warmup 2 --iters 5 --flex-options "$opts"
+  done
   ;;
 train1p7b)
   # the 1-2B row (goal: system MFU >= 45%; s16: 64.8%, 177 s to compile cold)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ import torch
 from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
 from flashdraft.log import get_logger
 from flashdraft.model import varlen
+from flashdraft.model.attention import FLEX_OPTIONS
 from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
@@ -264,6 +266,14 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="CUDA: after the timings, the top kernels of a few full steps (torch.profiler)",
     )
+    p.add_argument(
+        "--flex-options",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="the drafter's flex_attention kernel_options, e.g. '{\"BLOCK_M\": 64, "
+        '"BLOCK_N": 64, "num_stages": 2}\' (default: torch\'s)',
+    )
     p.add_argument("--smoke", action="store_true")
     # The geometry's shape is the default; flags given explicitly still win.
     geometry = p.parse_known_args()[0].geometry
@@ -358,6 +368,7 @@ def profile_steps(trainer: Trainer, steps: int = 3) -> None:
 def main() -> int:
     args = parse()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    FLEX_OPTIONS.update(args.flex_options)  # the dict the drafter's attention reads
     if args.first_step:
         return first_step(args, device)
     peak = matmul_peak(device)
@@ -392,6 +403,7 @@ def main() -> int:
             "bench": "trainer",
             "peak_tflops": round(peak / 1e12, 1),
             "target_attention": model.config._attn_implementation,
+            "flex_options": args.flex_options,
             **summary,
             "results": results,
             **environment(),

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -179,10 +179,18 @@ def build_mask(layout: BlockLayout, backend: Backend, sliding_window: int | None
     return create_mask(mask_mod, rows, None, q_len, kv_len, device=device)
 
 
+# flex_attention's `kernel_options` for the drafter's attention (tile sizes, warps, stages);
+# empty: torch's defaults. Benchmarks set it (`bench/trainer.py --flex-options`) to tune.
+FLEX_OPTIONS: dict[str, int | bool] = {}
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, scale: float) -> Tensor:
     """q [R, Hq, Q, D], k/v [R, Hkv, S, D] -> [R, Hq, Q, D] under `mask` (None: all visible)."""
     if isinstance(mask, BlockMask):
-        out = _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        options: Any = dict(FLEX_OPTIONS) or None  # torch's TypedDict of the same keys
+        out = _flex_attention(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=options
+        )
         assert isinstance(out, Tensor)
         return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

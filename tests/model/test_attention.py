@@ -229,3 +229,24 @@ def test_document_starts_are_where_each_run_of_equal_ids_begins() -> None:
     docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [5, 5, 5, 5, 5, 5, 5, 5]])
     want = [[0, 0, 0, 3, 3, 5, 6, 6], [0] * 8]
     assert document_starts(docs).tolist() == want
+
+
+def test_flex_options_reach_flex_attention(monkeypatch) -> None:
+    """`FLEX_OPTIONS` (set by `bench/trainer.py --flex-options`) goes to flex_attention as its
+    kernel_options; empty, none are passed (torch's defaults)."""
+    from flashdraft.model import attention
+
+    seen = []
+
+    def fake_flex(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs["kernel_options"])
+        return q
+
+    monkeypatch.setattr(attention, "_flex_attention", fake_flex)
+    layout = _random_layout(0)
+    mask = build_mask(layout, "flex")
+    q = torch.zeros(2, 2, layout.num_queries, 8)
+    attention.attend(q, q, q, mask, 1.0)
+    monkeypatch.setitem(attention.FLEX_OPTIONS, "BLOCK_M", 64)
+    attention.attend(q, q, q, mask, 1.0)
+    assert seen == [None, {"BLOCK_M": 64}]
