@@ -386,23 +386,31 @@ def _is_linear(layer: Any) -> bool:
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
 
 
+def _token_count(layer: Any) -> Tensor | None:
+    """A copy of a linear cache layer's token count (transformers >= 5.25), else None."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    return count.clone() if isinstance(count, Tensor) else None
+
+
 class LinearStateRollback:
     """Take back the last `n` tokens of a hybrid target's cache.
 
     K/V layers crop; a recurrent state cannot (it has absorbed every token). `save()` copies
     the linear layers' states before a verify forward; `rewind(saved, n)` puts them back and
     crops the K/V layers by the n verified tokens, so that re-feeding the accepted tokens
-    continues from exactly where the target was (transformers 5.17 and 5.2x layouts)."""
+    continues from exactly where the target was (transformers 5.17 and 5.2x layouts). From
+    transformers 5.25 a linear layer also counts its tokens (`cumulative_length_linear`,
+    which the cache's `get_seq_length` reads): saved and put back with the states."""
 
     def __init__(self, cache: Any) -> None:
         self.cache = cache
 
-    def save(self) -> list[tuple[dict[int, Tensor | None], dict[int, Tensor | None]]]:
+    def save(self) -> list[tuple[dict[int, Tensor | None], dict[int, Tensor | None], Any]]:
         def copy(states: dict[int, Tensor | None]) -> dict[int, Tensor | None]:
             return {k: None if t is None else t.clone() for k, t in states.items()}
 
         return [
-            (copy(layer.conv_states), copy(layer.recurrent_states))
+            (copy(layer.conv_states), copy(layer.recurrent_states), _token_count(layer))
             for layer in self.cache.layers
             if _is_linear(layer)
         ]
@@ -410,7 +418,7 @@ class LinearStateRollback:
     def rewind(self, saved: list[Any], tokens: int) -> None:
         linear = [layer for layer in self.cache.layers if _is_linear(layer)]
         assert len(linear) == len(saved), "rewind with the states of another cache"
-        for layer, (conv, recurrent) in zip(linear, saved, strict=True):
+        for layer, (conv, recurrent, count) in zip(linear, saved, strict=True):
             if hasattr(layer, "keys"):
                 raise NotImplementedError("cache layers with both K/V and a recurrent state")
             for live, old in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
@@ -420,6 +428,8 @@ class LinearStateRollback:
                         current.copy_(t)  # in place: cached tensors keep their address
                     else:
                         live[k] = t
+            if count is not None:  # in place too: a static address for dynamo
+                layer.cumulative_length_linear.copy_(count)
         for layer in self.cache.layers:
             if not _is_linear(layer):
                 layer.crop(-tokens)

@@ -332,9 +332,14 @@ def test_a_hybrid_target_decodes_exactly_its_greedy_output(hybrid_target, kind, 
 
 
 def test_without_the_rollback_a_hybrid_target_leaves_its_greedy_output(hybrid_target, monkeypatch):
-    """Cropping only the K/V layers leaves the rejected drafts in the recurrent states."""
+    """Cropping only the K/V layers leaves the rejected drafts in the recurrent states (the
+    linear layers' token counts, transformers >= 5.25, are put back: positions stay right)."""
 
     def crop_kv_only(self, saved, tokens: int) -> None:
+        linear = [layer for layer in self.cache.layers if hasattr(layer, "recurrent_states")]
+        for layer, (_, _, count) in zip(linear, saved, strict=True):
+            if count is not None:
+                layer.cumulative_length_linear.copy_(count)
         for layer in self.cache.layers:
             if not hasattr(layer, "recurrent_states"):
                 layer.crop(-tokens)
