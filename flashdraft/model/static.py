@@ -293,12 +293,21 @@ class StaticLM:
         self._head_ids = torch.arange(self.num_kv_heads, device=self.device)[None, :, None]
         half = self.dtype in (torch.float16, torch.bfloat16)
         flash = self.flash_anywhere or (self.device.type == "cuda" and half and varlen.FLASH_USED_K)
-        # attention="varlen" where the flash kernel runs (elsewhere those steps run sdpa)
-        self._own_slots = attention == "varlen" and flash
+        # attention="varlen" where the flash kernel runs (elsewhere those steps run sdpa):
+        # its sequences' starts, fixed for this cache (only the used lengths change per step)
+        self._flash_starts = (
+            varlen.sequence_starts(
+                rows, self.num_kv_heads, self.num_heads // self.num_kv_heads, max_len, self.device
+            )
+            if attention == "varlen" and flash
+            else None
+        )
         # Whether a one-token step of every row reads only each row's slots 0..position on
         # every layer: its cost does not depend on `kv_len`, so decoders can run every step
         # at one length (one graph).
-        self.steps_read_own_slots = self._own_slots and all(w is None for w in self.windows)
+        self.steps_read_own_slots = self._flash_starts is not None and all(
+            w is None for w in self.windows
+        )
 
     # Whether `varlen._flash_varlen` runs here (tests set it to run their emulation on CPU).
     flash_anywhere: bool = False
@@ -375,16 +384,14 @@ class StaticLM:
         hq, hkv = self.num_heads, self.num_kv_heads
         out_shape = (1, r * n, hq * d) if flat else (r, n, hq * d)
         keys, values = self.keys[i], self.values[i]
-        if k is None or v is None:  # written by the decode part
-            pass
+        if k is None or v is None:  # the decode part wrote them: read them back if needed
+            k, v = keys[:, :, :n], values[:, :, :n]  # (a one-token fresh prompt: slot 0)
         elif rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
             _write_cache(keys, values, k, v, (self._row_ids, self._head_ids, positions[:, None]))
         else:  # a subset of rows (prefill of new prompts into their slots)
             keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
             values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
         if mask is None:  # fresh prompts: causal over the call's own K/V
-            if k is None or v is None:  # a one-token prompt as a decode step: slot 0, written
-                k, v = keys[:, :, :n], values[:, :, :n]
             g = hq // hkv
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             # Not cuDNN: it builds an execution plan per new shape, and every prefill batch
@@ -504,13 +511,10 @@ class StaticLM:
                 masks |= {w: windowed[w] for w in masked}
         elif self.attention == "flex" and rows is None and n == 1:
             masks = self._block_masks(positions, kv_len)
-        elif self._own_slots and rows is None and n == 1:
-            windows = [w for w in set(self.windows) if w is not None]
-            plan = varlen.OwnSlots(
-                positions, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.max_len
-            )
-            sliding: dict[int | None, Any] = self._masks(positions, kv_len) if windows else {}
-            masks = {**sliding, None: plan}
+        elif self._flash_starts is not None and rows is None and n == 1:
+            plan = varlen.OwnSlots(self._flash_starts, positions, self.num_kv_heads)
+            sliding = any(w is not None for w in self.windows)
+            masks = {**(self._masks(positions, kv_len) if sliding else {}), None: plan}
         else:
             masks = self._masks(positions, kv_len)
         wanted = set(self.tap_ids)

@@ -260,15 +260,24 @@ def _flash_varlen(
     return out
 
 
+def sequence_starts(
+    rows: int, num_kv_heads: int, group: int, max_len: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(cu_q, cu_k) int32 of the flash sequences of a static cache's decode steps: each (row,
+    K/V head) one sequence of its `group` query heads over the row's `max_len` slots. Fixed
+    for a cache: computed once, not in every step."""
+    seqs = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32, device=device)
+    return seqs * group, seqs * max_len
+
+
 class OwnSlots:
     """A one-token decode step's attention plan over a static cache (`flashdraft.model.
     static`, attention="varlen"), for its full-attention layers: each (row, K/V head) is one
-    flash sequence of its G query heads over the row's own slots 0..position."""
+    flash sequence (`sequence_starts`) of its G query heads over the row's own slots
+    0..position."""
 
-    def __init__(self, positions: Tensor, num_kv_heads: int, group: int, max_len: int) -> None:
-        rows = positions.shape[0]
-        seqs = torch.arange(rows * num_kv_heads + 1, dtype=torch.int32, device=positions.device)
-        self.cu_q, self.cu_k = seqs * group, seqs * max_len
+    def __init__(self, starts: tuple[Tensor, Tensor], positions: Tensor, num_kv_heads: int) -> None:
+        self.cu_q, self.cu_k = starts
         # slots 0..position of each row, for each of its K/V heads
         self.used = (positions[:, 0] + 1).to(torch.int32).repeat_interleave(num_kv_heads)
 

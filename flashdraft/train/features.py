@@ -97,10 +97,10 @@ def stack_put(parts: list[Tensor], put: Callable[[Tensor], Tensor]) -> Tensor:
 
 def label_plan(rows: list[Row]) -> tuple[Tensor, Tensor]:
     """Where the target's labels are needed, once each: (needed [N] sorted indices into the
-    rows' R*T packed tokens, index [R, A, B-1] into them). Blocks overlap: A = 512 anchors
-    among a row's ~5K trainable positions need 4,074 distinct positions for their 7,680
-    slots (the bench's rows), so the label head runs on ~half the rows. On the CPU, from the
-    rows: no host sync."""
+    rows' R*T packed tokens, index [R, A, B-1] into them). Blocks overlap: on a CPU count
+    over a row like `bench/trainer.py`'s (documents of 300..3000 tokens, A = 512), its
+    7,680 slots needed 4,074 distinct positions, so the label head runs on ~half the rows.
+    On the CPU, from the rows: no host sync."""
     positions = torch.stack([r.label_positions for r in rows])  # [R, A, B-1]
     length = rows[0].input_ids.shape[0]
     flat = positions + torch.arange(len(rows))[:, None, None] * length

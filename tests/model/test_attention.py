@@ -95,6 +95,26 @@ def test_sliding_mask_equals_the_engines_rule(window: int) -> None:
     assert torch.equal(build_mask(layout, "sdpa", window), _engine_reference(layout, window))
 
 
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_full_mask_equals_the_rule_on_random_packed_rows(seed: int) -> None:
+    """SPEC traps 2 and 4 on random rows (many documents, padding, invalid anchors): context
+    strictly before the anchor and in its document only, each block its own keys only. The
+    reference reads every key's document (`doc[c] == doc[a]`); the mask_mod reads the
+    document start at the anchor instead."""
+    layout = _random_layout(seed, ctx=60, anchors=6)
+    assert (~layout.anchor_valid).any() and len(set(layout.doc_ids[0].tolist())) > 3
+    block, ctx, docs = layout.block_size, layout.context_len, layout.doc_ids
+    want = torch.zeros(layout.num_rows, layout.num_queries, ctx + layout.num_queries, dtype=bool)
+    for r in range(layout.num_rows):
+        for j, a in enumerate(layout.anchors[r].tolist()):
+            queries = slice(j * block, (j + 1) * block)
+            want[r, queries, ctx + j * block : ctx + (j + 1) * block] = True  # its own block
+            if layout.anchor_valid[r, j]:
+                for c in range(a):
+                    want[r, queries, c] = bool(docs[r, c] == docs[r, a])
+    assert torch.equal(build_mask(layout, "sdpa")[:, 0], want)
+
+
 def test_invalid_anchor_sees_only_its_block() -> None:
     mask = build_mask(_layout([True, False]), "sdpa")[0, 0]
     assert torch.equal(mask[:4], FULL[:4])
