@@ -14,6 +14,9 @@
 #                                       #   step with a SmolLM2-shaped target and a 3-layer drafter
 #                                       #   at 1 row per forward, then the train4 stage's
 #   bash bench/fast_session.sh train4   # ~2-3 min: the same at 4 and 8 rows per forward
+#   bash bench/fast_session.sh train8   # ~1-2 min: 8 rows only, with a profile
+#   bash bench/fast_session.sh tests    # ~3-4 min: every GPU test of the fast paths (decode,
+#                                       #   eval loop, compiled target, varlen, label chunks)
 #   bash bench/fast_session.sh flex     # ~6 min: the 8-row step under five flex kernel_options
 #   bash bench/fast_session.sh train1p7b  # ~4-5 min: a 1.7B-shaped target (28 x 2048), cold
 #   bash bench/fast_session.sh train8b  # optional third call, ~4 min: the Qwen3-8B-shaped step
@@ -24,7 +27,7 @@
 # (/tmp/torchinductor_root) survives between calls, so only the first compile is cold; the
 # `train` stage's first step is the cold-compile measurement only if it runs first.
 set -u
-stage=${1:?decode|speed|train|train4|flex|train1p7b|train8b}
+stage=${1:?decode|speed|train|train4|train8|tests|flex|train1p7b|train8b}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -105,8 +108,20 @@ train)
 train4)
   run trainer_smollm2_r4 150 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
     --rows-per-forward 4 --skip-overlap-off --warmup 3 --iters 8
-  run trainer_smollm2_r8 180 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
-    --rows-per-forward 8 --skip-overlap-off --warmup 2 --iters 6
+  ;&
+train8)
+  # (with a profile after the timings: what is left of the 8-row step)
+  run trainer_smollm2_r8 200 python3 bench/trainer.py $SMOL --layers 3 --rows 8192 \
+    --rows-per-forward 8 --skip-overlap-off --warmup 3 --iters 10 --profile
+  ;;
+tests)
+  # the GPU tests of the decode stage and of the train stage, with the varlen target (GQA K/V
+  # handed to the kernel as they are, 2026-12-03 s18) and the compiled label chunks
+  # (needs .whl/fast carried: the tiny Qwen3's tokenizer and chitchat data)
+  run gpu_tests 330 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
+    tests/data/test_fast_inference.py tests/eval/test_evaluate.py tests/model/test_varlen.py \
+    tests/model/test_head.py tests/model/test_attention.py tests/model/test_drafter.py \
+    tests/train/test_parallel.py tests/train/test_features.py tests/train/test_loss.py
   ;;
 flex)
   # the drafter's flex_attention kernel_options at 8 rows per forward (s17 profile: the flex

@@ -90,3 +90,62 @@ def test_chunked_top_k_labels_are_the_renormalised_top_of_the_full_softmax(top_k
     if top_k == 50:
         torch.testing.assert_close(full.gather(-1, ids), probs)
     assert head.labels_at(hidden, positions, chunk_rows=5)[1:] == (None, None)
+
+
+@pytest.mark.parametrize("top_k", [0, 6])
+def test_compiled_label_chunks_give_the_eager_labels(monkeypatch, top_k) -> None:
+    """CUDA's path (`compiled=True`, here inductor on the CPU): the rows padded to whole
+    chunks, one compiled chunk shape for every call, and the labels of the eager chunks
+    exactly, in bf16 with a scaled and capped head (rounded as eager rounds)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from flashdraft.model import head as head_module
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(
+        head_module.label_chunk,
+        backend=counter,
+        dynamic=False,
+    )
+    shapes = []
+
+    def chunk(z, *args):
+        shapes.append(tuple(z.shape))
+        with torch._inductor.config.patch(head_module.LABEL_CHUNK_OPTIONS):
+            return compiled(z, *args)
+
+    monkeypatch.setattr(head_module, "_LABEL_CHUNK", chunk)
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(50, 8, generator=gen).bfloat16()
+    head = TargetHead(embedding=nn.Embedding(50, 8), weight=weight, softcap=3.0)
+    head.logit_scale = 1.7
+    hidden = torch.randn(1, 40, 8, generator=gen).bfloat16()
+    for n in (7, 13, 5, 20):  # label positions per call, as a label plan's count varies
+        positions = torch.randint(0, 40, (1, n), generator=gen)
+        got = head.labels_at(hidden, positions, chunk_rows=8, top_k=top_k, compiled=True)
+        want = head.labels_at(hidden, positions, chunk_rows=8, top_k=top_k, compiled=False)
+        assert got[0].shape == (1, n) and torch.equal(got[0], want[0])
+        if top_k:
+            assert torch.equal(got[1], want[1])
+            torch.testing.assert_close(got[2], want[2])
+        else:
+            assert got[1:] == (None, None)
+    assert set(shapes) == {(8, 50)} and counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k", [0, 32])
+def test_on_cuda_the_compiled_label_chunks_give_the_eager_labels(top_k) -> None:
+    """The real `_LABEL_CHUNK` on CUDA at SmolLM2's vocabulary, bf16: the eager labels."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(49152, 576, generator=gen, device="cuda").bfloat16()
+    head = TargetHead(embedding=nn.Embedding(8, 576), weight=weight)
+    hidden = torch.randn(1, 5000, 576, generator=gen, device="cuda").bfloat16()
+    for n in (4074, 3001):
+        positions = torch.randperm(5000, generator=gen, device="cuda")[:n][None]
+        got = head.labels_at(hidden, positions, chunk_rows=2048, top_k=top_k)
+        want = head.labels_at(hidden, positions, chunk_rows=2048, top_k=top_k, compiled=False)
+        assert torch.equal(got[0], want[0])
+        if top_k:
+            assert torch.equal(got[1], want[1])
+            torch.testing.assert_close(got[2], want[2])

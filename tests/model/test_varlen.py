@@ -70,31 +70,42 @@ def test_outside_a_packed_forward_it_is_sdpa_and_the_startup_checks_pass(targets
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("release", ["2.10", "2.11+"])
+@pytest.mark.parametrize("release", ["2.10", "2.11", "2.13"])
 def test_the_kernel_call_fits_each_torch_release(monkeypatch, release) -> None:
     """The arguments handed to torch's varlen_attn, by a stand-in kernel of each release's
-    signature (causal spelling, scale, GQA) that computes per segment: the result is the
-    CPU path's, with a non-default scale and 2 query heads per K/V head."""
+    signature (causal spelling, scale, the GQA flag) that computes per segment: the result is
+    the CPU path's, with a non-default scale and 2 query heads per K/V head. K/V always
+    arrive with their own 2 heads (the flash kernel serves the groups; repeating them was two
+    copies per layer), and 2.13's wrapper refuses unequal heads without `enable_gqa`, as
+    torch's does."""
     calls = []
 
-    def old(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):  # torch 2.10
-        assert is_causal and k.shape[1] == q.shape[1]  # K/V heads repeated for it
-        calls.append("old")
-        segments = varlen.Segments(cu_q, max_q)
-        return varlen._each_segment(q, k, v, segments, None, 1)
+    def per_segment(q, k, v, cu_q, max_q, scale):
+        assert k.shape[1] == v.shape[1] == 2 and q.shape[1] == 4  # not repeated
+        return varlen._each_segment(q, k, v, varlen.Segments(cu_q, max_q), scale, 2)
 
-    def new(
+    def v210(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        assert is_causal
+        calls.append("2.10")
+        return per_segment(q, k, v, cu_q, max_q, None)
+
+    def v211(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0) and scale is not None
+        calls.append("2.11")
+        return per_segment(q, k, v, cu_q, max_q, scale)
+
+    def v213(
         q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
     ):
-        assert window_size == (-1, 0) and enable_gqa and scale is not None
-        calls.append("new")
-        segments = varlen.Segments(cu_q, max_q)
-        return varlen._each_segment(q, k, v, segments, scale, q.shape[1] // k.shape[1])
+        if not enable_gqa and q.shape[1] != k.shape[1]:
+            raise ValueError("unequal heads: set enable_gqa=True")
+        assert window_size == (-1, 0) and scale is not None
+        calls.append("2.13")
+        return per_segment(q, k, v, cu_q, max_q, scale)
 
-    fn = old if release == "2.10" else new
-    kernel = varlen._Kernel(
-        fn, {"is_causal": True} if fn is old else {"window_size": (-1, 0)}, fn is new, fn is new
-    )
+    fn = {"2.10": v210, "2.11": v211, "2.13": v213}[release]
+    causal = {"is_causal": True} if fn is v210 else {"window_size": (-1, 0)}
+    kernel = varlen._Kernel(fn, causal, fn is not v210, fn is v213)
     monkeypatch.setattr(varlen, "_KERNEL", kernel)
     monkeypatch.setattr(varlen, "uses_kernel", lambda query: True)
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +117,7 @@ def test_the_kernel_call_fits_each_torch_release(monkeypatch, release) -> None:
     flat = [t.transpose(1, 2).reshape(20, t.shape[1], 8) for t in (q, k, v)]
     want = varlen._each_segment(*flat, segments, 0.2, 2).view(2, 10, 4, 8)
     torch.testing.assert_close(got, want)
-    assert calls == ["old" if release == "2.10" else "new"]
+    assert calls == [release]
 
 
 def test_targets_it_cannot_serve_are_refused_with_the_reason() -> None:
