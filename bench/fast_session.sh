@@ -118,7 +118,7 @@ tests)
   # the GPU tests of the decode stage and of the train stage, with the varlen target (GQA K/V
   # handed to the kernel as they are, 2026-12-03 s18) and the compiled label chunks
   # (needs .whl/fast carried: the tiny Qwen3's tokenizer and chitchat data)
-  run gpu_tests 330 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
+  run gpu_tests 300 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
     tests/data/test_fast_inference.py tests/eval/test_evaluate.py tests/model/test_varlen.py \
     tests/model/test_head.py tests/model/test_attention.py tests/model/test_drafter.py \
     tests/train/test_parallel.py tests/train/test_features.py tests/train/test_loss.py
