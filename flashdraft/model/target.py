@@ -42,6 +42,9 @@ from flashdraft.model.routing import PinnedRouting
 log = get_logger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Label rows per chunk of a start-up check's single document (`_document_alone`): fixed, so the
+# compiled label chunk (`head._LABEL_CHUNK`, CUDA) has one shape for every document length.
+DOCUMENT_CHUNK_ROWS = 4096
 # Start-up packing check: the largest relative difference (a document's taps, ||packed -
 # alone|| / ||alone||; logits for label ties) that is rounding, per target dtype. Measured on
 # the tiny hybrid (tests): exact paths 1e-6 (fp32) and 6e-3 (bf16); a leak 0.2 to 0.6.
@@ -397,7 +400,8 @@ class Target:
         with self.no_grad():
             last = self.base(input_ids=doc[None], use_cache=False).last_hidden_state
             positions = torch.arange(len(doc), device=doc.device)[None]
-            labels = self.head.argmax_at(last, positions, len(doc))[0]
+            # one chunk shape for every length: on CUDA the chunks run compiled, padded
+            labels = self.head.argmax_at(last, positions, DOCUMENT_CHUNK_ROWS)[0]
             logits = self.head.logits(last[0])
         return self.taps.features()[0], labels, logits
 
