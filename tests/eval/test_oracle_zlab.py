@@ -32,7 +32,13 @@ from flashdraft.model.target import LayerTaps, load_target
 from flashdraft.train.blocks import block_inputs
 
 BLOCK, WINDOW = 8, 5
-KINDS = {"full": [], "mixed": [0]}  # draft layers that slide
+# (draft layers that slide, the MLP width: None is the target's; "narrow" is how a 5-layer
+# SmolLM2 drafter fits the issue's 25 MB: engines and z-lab read the width from config.json)
+KINDS: dict[str, tuple[list[int], int | None]] = {
+    "full": ([], None),
+    "mixed": ([0], None),
+    "narrow": ([], 704),
+}
 PROMPTS = ("What is the capital of France?", "List three prime numbers.")
 
 
@@ -51,7 +57,7 @@ def tokenizer(smollm2_dir):
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def pair(request, target, tmp_path_factory) -> tuple[DFlashDrafter, Any]:
     """(our drafter, z-lab's model), both read from one dflash export, fp32."""
-    sliding = KINDS[request.param]
+    sliding, width = KINDS[request.param]
     config = DrafterConfig.from_target_config(
         target.config,
         mask_token_id=0,  # <|endoftext|>: in the table, never in a prompt below
@@ -59,12 +65,15 @@ def pair(request, target, tmp_path_factory) -> tuple[DFlashDrafter, Any]:
         block_size=BLOCK,
         sliding_window=WINDOW if sliding else None,
         sliding_layers=sliding,
+        intermediate_size=width,
     )
     config = DrafterConfig.from_dict({**config.to_dict(), "initializer_range": 0.05})
     out = tmp_path_factory.mktemp(f"export-{request.param}")
     save_dflash(tiny_drafter(config, seed=11), str(out))
     ours = load_dflash(str(out), torch.float32).eval()
     zlab = DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32).eval()
+    if width is not None:
+        assert zlab.config.intermediate_size == width != target.config.intermediate_size
     return ours, zlab
 
 
