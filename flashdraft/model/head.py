@@ -156,7 +156,8 @@ class TargetHead:
         chunk = label_chunk
         if picked.is_cuda if compiled is None else compiled:
             chunk = _LABEL_CHUNK
-            picked = F.pad(picked, (0, 0, 0, -n % chunk_rows))
+            if n % chunk_rows:
+                picked = F.pad(picked, (0, 0, 0, -n % chunk_rows))
         argmax = torch.empty(picked.shape[0], dtype=torch.long, device=picked.device)
         ids = torch.empty(picked.shape[0], top_k, dtype=torch.long, device=picked.device)
         probs = torch.empty(picked.shape[0], top_k, dtype=torch.float32, device=picked.device)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashdraft.model.head import TargetHead
+from flashdraft.model.head import TargetHead, scaled_logits
 from flashdraft.train.blocks import slot_weights
 from flashdraft.train.config import LossSection
 
@@ -70,12 +70,7 @@ def dpace_weights(log_q: Tensor, trained: Tensor, dpace: DPace) -> Tensor:
 
 def _chunk_logits(z: Tensor, scale: float, softcap: float | None) -> Tensor:
     """z = h @ W^T -> the target's logits in fp32 (scale, then softcap), as `TargetHead`."""
-    logits = z.float()
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
+    return scaled_logits(z.float(), scale, softcap)
 
 
 def _chunk_grad(g: Tensor, logits: Tensor, scale: float, softcap: float | None) -> Tensor:

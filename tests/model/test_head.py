@@ -120,7 +120,7 @@ def test_compiled_label_chunks_give_the_eager_labels(monkeypatch, top_k) -> None
     head = TargetHead(embedding=nn.Embedding(50, 8), weight=weight, softcap=3.0)
     head.logit_scale = 1.7
     hidden = torch.randn(1, 40, 8, generator=gen).bfloat16()
-    for n in (7, 13, 5, 20):  # label positions per call, as a label plan's count varies
+    for n in (7, 13, 16, 5, 20):  # label positions per call, as a label plan's count varies
         positions = torch.randint(0, 40, (1, n), generator=gen)
         got = head.labels_at(hidden, positions, chunk_rows=8, top_k=top_k, compiled=True)
         want = head.labels_at(hidden, positions, chunk_rows=8, top_k=top_k, compiled=False)
