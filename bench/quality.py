@@ -51,8 +51,12 @@ from quality_report import (  # beside this script
     collect,
     hardware_name,
     peer_row,
+    plot_curves,
+    read_metrics,
     render_compare,
+    render_curves,
     run_row,
+    tau_hat_windows,
     write_quality_report,
 )
 
@@ -206,8 +210,11 @@ class QualityConfig:
         "--no-zlab-parity saves ~0.5 device-minute per kind (ablations)",
     )
     runs: list[str] = option(
-        factory=list, help="compare: the runs of OUT/runs side by side (default: every run)"
+        factory=list,
+        help="compare, curves: the runs of OUT/runs side by side (default: every run); "
+        "curves also takes DIR=NAME, a run folder elsewhere (e.g. in benchmarks/raw/)",
     )
+    window: int = option(500, help="curves: steps per averaged window of tau_hat")
     peer: str | None = option(
         None,
         metavar="DIR",
@@ -832,8 +839,9 @@ def parse(argv: list[str] | None = None) -> tuple[str, QualityConfig, list[str]]
     )
     parser.add_argument(
         "stage",
-        choices=(*STAGES, "all", "compare"),
-        help="one stage, or all in order; compare: finished runs (and the peer's) side by side",
+        choices=(*STAGES, "all", "compare", "curves"),
+        help="one stage, or all in order; compare: finished runs (and the peer's) side by "
+        "side; curves: the training tau_hat of runs, finished or not, at matched steps",
     )
     cfg.add_arguments(parser, QualityConfig)
     parser.add_argument(
@@ -875,10 +883,45 @@ def compare(config: QualityConfig) -> dict[str, Any]:
     return {"complete": True, "stage": "compare", "runs": names, "peer": peer is not None}
 
 
+def curves(config: QualityConfig) -> dict[str, Any]:
+    """The `curves` stage: the training estimate tau_hat of runs side by side at matched
+    steps (windows of --window steps), the first run the baseline; for runs that stopped
+    before their evals (a lost machine) or beside finished ones. Printed and written to
+    BENCH_DIR/quality_<hw>_<date>_curves.md with a PNG. tau_hat is measured on the training
+    rows, so it says which recipe learns its data faster, not what held-out tau will be."""
+    out = Path(config.output)
+    folders: dict[str, Path] = {}
+    found = sorted(p.parent.name for p in (out / "runs").glob("*/metrics.jsonl"))
+    for entry in config.runs or found:
+        folder, _, name = entry.partition("=")
+        path = Path(folder) if name else out / "runs" / folder
+        folders[name or folder] = path
+        if not (path / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{path / 'metrics.jsonl'}: no metrics for run {entry!r}")
+    metrics = {name: read_metrics(path) for name, path in folders.items()}
+    table = render_curves(tau_hat_windows(metrics, config.window))
+    env = environment()
+    bench = Path(config.bench_dir or "benchmarks")
+    bench.mkdir(parents=True, exist_ok=True)
+    stem = f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_curves"
+    (bench / f"{stem}.png").write_bytes(plot_curves(metrics))
+    command = " ".join(["python", *sys.argv])
+    (bench / f"{stem}.md").write_text(
+        f"# Training tau_hat at matched steps ({env['date']})\n\nCommand: `{command}`  \n"
+        f"Means over windows of {config.window} steps; the last columns: each run over "
+        f"the first. ![tau_hat]({stem}.png)\n\n{table}"
+    )
+    log.info(table)
+    log.info(f"written: {bench / stem}.md")
+    return {"complete": True, "stage": "curves", "runs": list(folders)}
+
+
 def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, Any]:
     """The stages asked for, in order; stops early (complete = False) at the deadline."""
     if stage == "compare":
         return compare(config)
+    if stage == "curves":
+        return curves(config)
     pipeline = Pipeline(config, overrides)
     if pipeline.device == "cpu":
         # The smoke run shares a small machine (tests): one thread, as the test suite uses;

@@ -265,6 +265,62 @@ def plot(summary: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def tau_hat_windows(
+    metrics: dict[str, list[dict[str, Any]]], every: int
+) -> list[tuple[int, dict[str, float | None]]]:
+    """[(window end, {run: mean tau_hat of its records in (end - every, end]})]: the training
+    estimate of runs at matched steps, whether they finished or not (`curves`)."""
+    last = max((int(r["step"]) for rows in metrics.values() for r in rows), default=0)
+    windows = []
+    for end in range(every, last + every, every):
+        means: dict[str, float | None] = {}
+        for run, rows in metrics.items():
+            taus = [float(r["tau_hat"]) for r in rows
+                    if "tau_hat" in r and end - every < int(r["step"]) <= end]  # fmt: skip
+            means[run] = statistics.fmean(taus) if taus else None
+        windows.append((end, means))
+    return windows
+
+
+def render_curves(windows: list[tuple[int, dict[str, float | None]]]) -> str:
+    """The tau_hat windows as a table, each run also over the first run (the baseline)."""
+    runs = list(windows[0][1]) if windows else []
+    head = ["steps", *runs, *(f"{r} / {runs[0]}" for r in runs[1:])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for end, means in windows:
+        base = means[runs[0]]
+        cells = [f"{means[r]:.3f}" if means[r] is not None else "—" for r in runs]
+        for r in runs[1:]:
+            value = means[r]
+            cells.append(f"{value / base:.3f}" if value is not None and base else "—")
+        lines.append(f"| {end} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(metrics: dict[str, list[dict[str, Any]]]) -> bytes:
+    """PNG: tau_hat vs steps, one line per run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for run, rows in metrics.items():
+        points = [(int(r["step"]), float(r["tau_hat"])) for r in rows if "tau_hat" in r]
+        if points:
+            x, y = zip(*points, strict=True)
+            ax.plot(x, y, linewidth=0.8, label=run)
+    ax.set_xlabel("training steps")
+    ax.set_ylabel("tau_hat (training rows)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
 def hardware_name(env: dict[str, Any]) -> str:
     """ "h200" for an NVIDIA H200, "cpu" without a GPU."""
     gpu = env.get("gpu")

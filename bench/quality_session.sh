@@ -125,8 +125,19 @@
 # peer's evals are kept in benchmarks/raw/quality_20261203_s15/peer-speculators/: a later
 # run on the same answers compares with them (`quality.py compare --peer THAT_FOLDER`)
 # without training the peer again.
+#
+# 2026-12-04, nineteenth and twentieth sessions (benchmarks/quality_h200_20261204_s20.md): the
+# machine was lost between calls twice (a reply more than 30 s after the last call), each
+# time with a run and its checkpoints; hence SEND_CKPT (send_checkpoints) and `restore`.
+# A long run now goes (every call at once after the last; no carry unless said):
+#   one + cache (carry .whl/min .qcarry .gguf/partaa .icache), then
+#   export CALL_START=$(date +%s) ...; TWO_STAGES=prepare two + SEND_CKPT=NAME multi
+#   (carry .gguf/partab), then the same multi line until complete (EXPORT_RUNS=NAME);
+# after each call keep the ckpt_NAME.step_N.tgz.part* that came back (one folder per call);
+# if a call finds a fresh machine: one + cache, restore (carry .qckpt with the newest whole
+# checkpoint's parts, in two calls of <= 64 MiB), then two + multi as before.
 set -u
-stage=${1:?one|part|cache|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
+stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
@@ -204,6 +215,68 @@ peer_beside() {  # peer_beside START: `multi` with PEER_BESIDE=1: the peer recip
     --deadline $((left - 20))
 }
 
+send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over several calls. A
+  # machine lost between calls (no call within 30 s of the last) loses the run; with this,
+  # the newest complete checkpoint of each unfinished run comes back with the files its
+  # resumption reads (metrics, config, log, train marker), gzip in parts of CKPT_PART_BYTES
+  # (16 MB). What comes back from a call is at most 64 MiB in all (measured 2026-12-04: of a
+  # 91 MB checkpoint, 5-layer drafter at MLP 704, fp32 weights + Muon's momentum, 4 parts
+  # came back, 2 were left out), so the parts wait in /tmp/ckpt_queue and each call first
+  # sends what is left of the last checkpoint, then queues the newest one and sends what
+  # fits of it: with 6 parts, from the second call on every call completes a checkpoint of
+  # the call before. `restore` puts the newest whole one back.
+  local name ckpt rel queue=${CKPT_QUEUE:-/tmp/ckpt_queue} room round part
+  for name in ${SEND_CKPT:-}; do  # finished: its export comes back instead
+    [ -f "$RUN_DIR/runs/$name/export/config.json" ] && rm -rf "${queue:?}/$name"
+  done
+  for round in 1 2; do
+    room=$((${RETURN_BYTES:-66000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+    for part in $(ls "$queue"/*/ckpt_* 2> /dev/null | sort); do
+      [ "$(stat -c %s "$part")" -le "$room" ] || break
+      room=$((room - $(stat -c %s "$part")))
+      mv "$part" "$OUT/" && echo "== sent $(basename "$part")"
+    done
+    [ "$round" = 2 ] && break
+    for name in ${SEND_CKPT:-}; do
+      [ -f "$RUN_DIR/runs/$name/export/config.json" ] && continue
+      ls "$queue/$name"/ckpt_* > /dev/null 2>&1 && continue  # the last one is still going
+      ckpt=$(ls -d "$RUN_DIR/runs/$name/checkpoints"/step_*/COMPLETE 2> /dev/null | sort | tail -n 1)
+      [ -n "$ckpt" ] || continue
+      rel=$(dirname "${ckpt#"$RUN_DIR"/}")
+      ls "$OUT/ckpt_$name.$(basename "$rel").tgz.part"* > /dev/null 2>&1 && continue  # sent
+      mkdir -p "$queue/$name"
+      (cd "$RUN_DIR" && {
+        find "runs/$name" \( -path "runs/$name/checkpoints" -o -path "runs/$name/export" \
+          -o -path "runs/$name/eval" \) -prune -o -type f -print
+        find "$rel" -type f
+        ls "runs/$name.run.json" "runs/$name.log" "stages/train-$name.json" 2> /dev/null
+      } > /tmp/ckpt_files.txt && tar cf - -T /tmp/ckpt_files.txt | gzip -1 \
+        | split -b "${CKPT_PART_BYTES:-16000000}" - \
+          "$queue/$name/ckpt_$name.$(basename "$rel").tgz.part")
+      echo "== $name: $rel queued ($(cat "$queue/$name"/ckpt_* | wc -c) bytes)"
+    done
+  done
+}
+
+restore_checkpoints() {  # `restore`: carry [".qckpt"] (the ckpt_NAME.step_N.tgz.part* that
+  # came back from the lost machine), in as many calls as the 64 MiB carry needs, after
+  # `one`: the parts wait in /tmp/qckpt/; each run's newest checkpoint whose parts add up
+  # (gzip's check) goes into the run folder, and the same `multi` as before resumes from it
+  local name prefix
+  mkdir -p /tmp/qckpt "$RUN_DIR" && cp .qckpt/ckpt_*.tgz.part* /tmp/qckpt/ 2> /dev/null
+  for name in $(ls /tmp/qckpt | sed -n 's/^ckpt_\(.*\)\.step_[0-9]*\.tgz\.part.*$/\1/p' | sort -u); do
+    for prefix in $(ls /tmp/qckpt | sed -n "s/^\(ckpt_$name\.step_[0-9]*\.tgz\)\.part.*$/\1/p" \
+      | sort -u -r); do
+      if cat /tmp/qckpt/"$prefix".part* | gzip -t 2> /dev/null; then
+        cat /tmp/qckpt/"$prefix".part* | tar xzf - -C "$RUN_DIR" \
+          && echo "== $name: restored $(ls -d "$RUN_DIR/runs/$name/checkpoints"/step_*)"
+        break
+      fi
+      echo "== $prefix: $(ls /tmp/qckpt/"$prefix".part* | wc -l) part(s) so far, not whole yet"
+    done
+  done
+}
+
 as_args() {  # one word of an ablation: KEY=VALUE (a run setting) or --flag=VALUE (quality.py's)
   if [[ $1 == --* ]]; then sets+=("$1"); else sets+=(--set "$1"); fi
 }
@@ -221,6 +294,7 @@ collect() {  # the small results of every run, and the export of finished ones
   fi
   # The compile cache, once a training has compiled into it (checkpoints exist), if it fits
   # the parts left in $OUT (8 files come back): keep the parts in .icache/ for `cache`.
+  [ -n "${SEND_CKPT:-}" ] && touch /tmp/inductor.sent  # its parts would not fit beside them
   if ls -d "$RUN_DIR"/runs/*/checkpoints > /dev/null 2>&1 && [ ! -f /tmp/inductor.sent ] \
     && [ -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
     tar cf - -C /tmp inductor-cache | xz -T0 -6 > /tmp/inductor.tar.xz
@@ -229,6 +303,12 @@ collect() {  # the small results of every run, and the export of finished ones
     else
       echo "inductor cache $(stat -c %s /tmp/inductor.tar.xz) bytes compressed: too big to send"
     fi
+  fi
+  if [ -n "${SEND_CKPT:-}" ]; then
+    send_checkpoints
+    (cd "$OUT" && ls | grep -v '\.part[a-z][a-z]$' | grep -vx results.tar > /tmp/results_files.txt
+      [ -s /tmp/results_files.txt ] && tar cf results.tar -T /tmp/results_files.txt \
+        && xargs rm -rf < /tmp/results_files.txt)
   fi
   [ "${NO_EXPORT:-0}" = 1 ] && { ls -la "$OUT"; return; }  # ablations: 8 files come back
   for export in "$RUN_DIR"/runs/*/export; do
@@ -274,6 +354,10 @@ one)
 part)
   keep_parts
   ls -la /tmp/gguf
+  exit 0
+  ;;
+restore)  # carry [".qckpt"]: see restore_checkpoints
+  restore_checkpoints
   exit 0
   ;;
 cache)  # carry [".icache"]: the compile cache an earlier session sent back (collect)
@@ -390,7 +474,7 @@ ablate)
   quality "ablate_$name" all --run "$name" --deadline 540 "${sets[@]}"
   ;;
 *)
-  echo "unknown stage $stage (one|part|cache|two|more|peer|peereval|multi|ablate)"
+  echo "unknown stage $stage (one|part|cache|restore|two|more|peer|peereval|multi|ablate)"
   exit 2
   ;;
 esac

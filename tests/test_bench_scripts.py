@@ -6,6 +6,8 @@ here, not on the device machine."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +76,83 @@ def test_an_ablation_word_is_a_run_setting_or_a_quality_flag() -> None:
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert done.stdout == "--set|optim.epochs=2|--loops=untrain|--set|eval.every=0|"
+
+
+def _functions(script: str, *names: str) -> str:
+    """The bodies of shell functions NAME() { ... } of a bench script, to run one alone."""
+    text = (ROOT / "bench" / script).read_text()
+    parts = []
+    for name in names:
+        start = text.index(f"{name}() {{")
+        parts.append(text[start : text.index("\n}\n", start) + 3])
+    return "".join(parts)
+
+
+def test_a_checkpoint_sent_back_over_two_calls_restores_the_run_on_a_fresh_machine(
+    tmp_path: Path,
+) -> None:
+    """`multi` with SEND_CKPT=NAME queues the newest complete checkpoint of an unfinished run
+    in parts and sends what fits the return limit each call: the next call first the rest,
+    then the parts of its own newest checkpoint that fit. `restore`, with the parts carried in
+    .qckpt/ over two calls, puts back the newest whole checkpoint and the files resuming
+    reads, and nothing else (not older, incomplete or partly sent checkpoints, not evals)."""
+    functions = _functions("quality_session.sh", "send_checkpoints", "restore_checkpoints")
+    old = tmp_path / "old"
+    files = {
+        "runs/r6/metrics.jsonl": '{"step": 20}\n',
+        "runs/r6.run.json": "{}",
+        "runs/r6.log": "log",
+        "stages/train-r6.json": '{"finished": false}',
+        "runs/r6/checkpoints/step_00000500/COMPLETE": "",
+        "runs/r6/checkpoints/step_00000500/drafter.safetensors": "older",
+        "runs/r6/checkpoints/step_00001000/COMPLETE": "",
+        "runs/r6/checkpoints/step_00001000/drafter.safetensors": os.urandom(45_000).hex(),
+        "runs/r6/checkpoints/step_00001500/drafter.safetensors": os.urandom(45_000).hex(),
+        "runs/r6/eval/chat.json": "{}",
+    }
+    for rel, text in files.items():
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_text(text)
+    queue = tmp_path / "queue" / "r6"
+    sent: dict[int, list[Path]] = {}
+    for call in (1, 2):
+        out = tmp_path / f"out{call}"
+        out.mkdir()
+        (out / "results.tar").write_bytes(b"r" * 5_000)
+        done = subprocess.run(
+            ["bash", "-c", f"{functions}send_checkpoints"],
+            env={"PATH": "/usr/bin:/bin", "RUN_DIR": str(old), "OUT": str(out),
+                 "SEND_CKPT": "r6 other", "CKPT_QUEUE": str(queue.parent),
+                 "CKPT_PART_BYTES": "20000", "RETURN_BYTES": "50000"},
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        sent[call] = sorted(out.glob("ckpt_*"))
+        assert sum(p.stat().st_size for p in out.iterdir()) <= 50_000, done.stdout
+        if call == 1:  # the checkpoint of step 1500 completes meanwhile
+            (old / "runs/r6/checkpoints/step_00001500/COMPLETE").write_text("")
+    assert [p.name for p in sent[1]] == [f"ckpt_r6.step_00001000.tgz.part{s}" for s in ("aa", "ab")]
+    assert [p.name for p in sent[2]] == [
+        "ckpt_r6.step_00001000.tgz.partac", "ckpt_r6.step_00001500.tgz.partaa"
+    ]  # fmt: skip
+    left = sorted(p.name for p in queue.iterdir())  # for the next call
+    assert left == [f"ckpt_r6.step_00001500.tgz.part{s}" for s in ("ab", "ac")]
+    fresh = tmp_path / "fresh"
+    carry = tmp_path / "repo" / ".qckpt"
+    carry.mkdir(parents=True)
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(fresh)}
+    restore = f"{functions}restore_checkpoints"
+    for part in [*sent[1], sent[2][1]]:  # the first carry call: not all parts of either
+        shutil.copy(part, carry)
+    out = subprocess.run(["bash", "-c", restore], cwd=carry.parent, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert out.count("not whole yet") == 2 and not (fresh / "runs").exists(), out
+    shutil.rmtree(carry)
+    carry.mkdir()
+    shutil.copy(sent[2][0], carry)  # the second carry call: the rest of step 1000's
+    out = subprocess.run(["bash", "-c", restore], cwd=carry.parent, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert "r6: restored" in out and "step_00001000" in out, out
+    got = {str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file()}
+    expect = {k for k in files if "00000500" not in k and "00001500" not in k and "eval" not in k}
+    assert got == expect
+    assert all((fresh / k).read_text() == files[k] for k in expect)

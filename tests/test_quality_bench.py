@@ -577,3 +577,35 @@ def test_the_committed_reference_data_is_what_its_readme_records() -> None:
         for kind in ("chat", "humaneval", "code"):
             assert f".qrun/prompts/held_out/{kind}.jsonl" in names
             assert split["counts"][kind]["held_out_sources"] > 0
+
+
+def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """`bench/quality.py curves`: tau_hat averaged per window of steps for runs finished or
+    not (one stopped early shows — past its end), a run folder elsewhere by DIR=NAME, each
+    run over the first; a named run without metrics is a one-line error."""
+    out = tmp_path / "q"
+    for name, taus in {"base": [2.0, 4.0, 5.0, 7.0], "wide": [3.0, 5.0]}.items():
+        (out / "runs" / name).mkdir(parents=True)
+        lines = [json.dumps({"step": 10 * (i + 1), "tau_hat": t}) for i, t in enumerate(taus)]
+        (out / "runs" / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    other = tmp_path / "raw" / "old-run"
+    other.mkdir(parents=True)
+    (other / "metrics.jsonl").write_text(json.dumps({"step": 20, "tau_hat": 6.0}) + "\n")
+    bench = tmp_path / "bench"
+    argv = ["curves", "--output", str(out), "--bench-dir", str(bench), "--window", "20"]
+    _, config, _ = quality.parse([*argv, "--runs", "base", "wide", f"{other}=old"])
+    result = quality.run("curves", config, [])
+    assert result["runs"] == ["base", "wide", "old"]
+    (md,) = bench.glob("quality_*_curves.md")
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| ")]
+    assert rows[0] == "| steps | base | wide | old | wide / base | old / base |"
+    assert rows[1] == "| 20 | 3.000 | 4.000 | 6.000 | 1.333 | 2.000 |"
+    assert rows[2] == "| 40 | 6.000 | — | — | — | — |"
+    assert next(bench.glob("quality_*_curves.png")).read_bytes()[:4] == b"\x89PNG"
+    _, config, _ = quality.parse(argv)
+    assert quality.run("curves", config, [])["runs"] == ["base", "wide"]  # every run of OUT
+    _, config, _ = quality.parse([*argv, "--runs", "gone"])
+    with pytest.raises(FileNotFoundError, match="no metrics for run 'gone'"):
+        quality.run("curves", config, [])
