@@ -236,12 +236,7 @@ def _data_lines(summary: dict[str, Any]) -> list[str]:
 def plot(summary: dict[str, Any]) -> bytes:
     """PNG: in-training eval tau and the training estimate tau_hat vs training tokens, and
     the final held-out tau per kind at the end."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=120)  # no pyplot: no global backend state
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = _axes()
     evals, estimates = tau_curve(summary["metrics"])
     if estimates:
         x, y = zip(*estimates, strict=True)
@@ -256,9 +251,25 @@ def plot(summary: dict[str, Any]) -> bytes:
     ax.set_xlabel("training tokens (millions, packed rows)")
     ax.set_ylabel("tau (accepted + 1 per step)")
     ax.set_title(f"SmolLM2-135M reference drafter ({summary['run']})")
+    return _png(ax)
+
+
+def _axes() -> Any:
+    """One matplotlib Axes on its own figure (no pyplot: no global backend state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig.add_subplot(1, 1, 1)
+
+
+def _png(ax: Any) -> bytes:
+    """The Axes' figure as PNG bytes, with a grid and a legend when something is labelled."""
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
+    fig = ax.get_figure()
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
@@ -299,12 +310,7 @@ def render_curves(windows: list[tuple[int, dict[str, float | None]]]) -> str:
 
 def plot_curves(metrics: dict[str, list[dict[str, Any]]]) -> bytes:
     """PNG: tau_hat vs steps, one line per run."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = _axes()
     for run, rows in metrics.items():
         points = [(int(r["step"]), float(r["tau_hat"])) for r in rows if "tau_hat" in r]
         if points:
@@ -312,13 +318,7 @@ def plot_curves(metrics: dict[str, list[dict[str, Any]]]) -> bytes:
             ax.plot(x, y, linewidth=0.8, label=run)
     ax.set_xlabel("training steps")
     ax.set_ylabel("tau_hat (training rows)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return _png(ax)
 
 
 def hardware_name(env: dict[str, Any]) -> str:
