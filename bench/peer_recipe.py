@@ -103,6 +103,13 @@ class PeerRecipeConfig:
         help="epochs over the data instead of the preset's (as `--set optim.epochs=N` gives a "
         "bench/quality.py run: the same steps and rows)",
     )
+    anchors: int | None = option(
+        None,
+        ge=1,
+        help="the peer's anchors per row (speculators' max_anchors; default: the flashdraft "
+        "run's loss.anchors, the same budget). The s15 peer ran at 512, speculators' own "
+        "default; the preset has 2048 since 2026-12-04, so --anchors 512 repeats that run",
+    )
     output: str = option("peer-recipe", metavar="DIR", help="every output goes here")
     eval_prompts: list[str] = option(
         factory=list,
@@ -180,7 +187,7 @@ def peer_overrides(
         "draft_vocab_size": drafter.vocab_size,  # full vocabulary, as flashdraft's drafter
         "verifier_name_or_path": run.target.path,
         # Same rows: A anchors per packed row of T tokens, for the same number of steps.
-        "max_anchors": run.loss.anchors,
+        "max_anchors": config.anchors or run.loss.anchors,
         "total_seq_len": run.data.row_tokens,
         # flex has no backward on the CPU: there speculators' dense-mask path (sdpa).
         "draft_attn_impl": "simple_flex_attention" if device.type == "cuda" else "sdpa",

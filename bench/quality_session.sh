@@ -136,6 +136,13 @@
 # after each call keep the ckpt_NAME.step_N.tgz.part* that came back (one folder per call);
 # if a call finds a fresh machine: one + cache, restore (carry .qckpt with the newest whole
 # checkpoint's parts, in two calls of <= 64 MiB), then two + multi as before.
+#
+# 2026-12-04, twenty-first session (benchmarks/quality_h200_20261204_s21.md): the call that
+# returned 64 MB of checkpoint parts was its machine's last (the next, sent at once, found a
+# fresh one), so RETURN_BYTES is now 34 MB and a stage that needs `one` says so in one line
+# on a fresh machine (need_one). Training is deterministic across machines (same tau_hat to
+# the third decimal), so a lost run restarts from its seed; keep each call's return under
+# ~30 MB and chain the calls: one + cache; two + multi; multi ... (as above, no SEND_CKPT).
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
@@ -225,12 +232,17 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
   # sends what is left of the last checkpoint, then queues the newest one and sends what
   # fits of it: with 6 parts, from the second call on every call completes a checkpoint of
   # the call before. `restore` puts the newest whole one back.
+  # Measured 2026-12-04 (s21): the call that returned 64 MB (4 parts + results) was the last
+  # on its machine: the next call, sent within seconds of the reply, found a fresh one; calls
+  # returning ~30 MB (an export) kept theirs. Copying the results back seems to run down the
+  # machine's 30 s, so RETURN_BYTES defaults to 34 MB (2 parts a call): a 91 MB checkpoint
+  # then lands whole every third call.
   local name ckpt rel queue=${CKPT_QUEUE:-/tmp/ckpt_queue} room round part
   for name in ${SEND_CKPT:-}; do  # finished: its export comes back instead
     [ -f "$RUN_DIR/runs/$name/export/config.json" ] && rm -rf "${queue:?}/$name"
   done
   for round in 1 2; do
-    room=$((${RETURN_BYTES:-66000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+    room=$((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
     for part in $(ls "$queue"/*/ckpt_* 2> /dev/null | sort); do
       [ "$(stat -c %s "$part")" -le "$room" ] || break
       room=$((room - $(stat -c %s "$part")))
@@ -321,6 +333,19 @@ collect() {  # the small results of every run, and the export of finished ones
   done
   ls -la "$OUT"
 }
+
+need_one() {  # the stages that run on what `one` installed: on a fresh machine (the one that
+  # ran `one` has gone, no call within 30 s of the last) one line says so, at once, instead of
+  # bench/quality.py failing in a traceback (s20 and s21 each lost a call's start-up to it)
+  [ -d "${SITE:-/tmp/site}" ] && return 0
+  echo "== fresh machine: ${SITE:-/tmp/site} is missing (the machine that ran \`one\` has" \
+    "gone); run \`one\` (+ \`cache\`, \`restore\` with .qckpt) and \`two\` again"
+  exit 3
+}
+
+case $stage in
+  two | more | peer | peereval | multi | ablate) need_one ;;
+esac
 
 case $stage in
 one)

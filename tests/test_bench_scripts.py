@@ -63,6 +63,32 @@ def test_the_device_session_scripts_parse_and_refuse_an_unknown_stage(tmp_path: 
         assert "unknown stage nope" in done.stdout and expect in done.stdout
 
 
+def test_a_stage_on_a_fresh_machine_says_so_in_one_line_before_any_work(tmp_path: Path) -> None:
+    """A device call that finds a fresh machine (the one that ran `one` has gone) ends at once
+    with exit 3 and what to run, for every stage that needs `one`'s wheels; with them, the
+    guard lets the stage go on (here to `multi`'s own complaint that ABLATIONS is unset)."""
+    site = tmp_path / "site"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(site)}  # fmt: skip
+    script = str(ROOT / "bench" / "quality_session.sh")
+    for stage in ("two", "more", "multi", "ablate", "peer", "peereval"):
+        done = subprocess.run(
+            ["bash", script, stage], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 3, (stage, done.stdout, done.stderr)
+        lines = done.stdout.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("== fresh machine:"), (stage, lines)
+        assert "run `one`" in lines[0]
+    site.mkdir()
+    done = subprocess.run(
+        ["bash", script, "multi"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 3 and "fresh machine" not in done.stdout
+    assert "ABLATIONS" in done.stderr
+
+
 def test_an_ablation_word_is_a_run_setting_or_a_quality_flag() -> None:
     """`quality_session.sh multi`/`ablate`: KEY=VALUE becomes `--set KEY=VALUE`, a word
     starting with -- (e.g. --loops=untrain, a bench/quality.py option) goes as it is."""

@@ -68,6 +68,35 @@ def test_peer_epochs_give_the_run_of_an_epochs_ablation(
     assert runs[2] == ours
 
 
+def test_the_peers_anchors_are_the_runs_unless_given(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """The peer draws as many anchors per row as the flashdraft run (the preset's 2048) unless
+    `--anchors N` sets its own (512: speculators' default, what the s15 peer ran at); the
+    flashdraft side of the comparison is the same run either way."""
+    from types import SimpleNamespace
+
+    import torch
+
+    peer = bench["peer_recipe"]
+    drafter = SimpleNamespace(
+        num_hidden_layers=5, block_size=16, target_layer_ids=[1, 8], mask_token_id=0,
+        vocab_size=10,
+    )  # fmt: skip
+    common = ["--target", "/models/smol", "--device", "cpu", "--data", str(tmp_path / "d")]
+    got = {}
+    for extra in ([], ["--anchors", "512"]):
+        config = peer.parse([*common, "--output", "o", *extra])
+        assert config.data is not None
+        run = peer.run_config(config, config.data, "/models/smol", "cpu")
+        assert run.loss.anchors == 2048
+        got[len(extra)] = peer.peer_overrides(config, run, drafter, torch.device("cpu"))
+    assert (got[0]["max_anchors"], got[2]["max_anchors"]) == (2048, 512)
+    assert {k: v for k, v in got[0].items() if k != "max_anchors"} == {
+        k: v for k, v in got[2].items() if k != "max_anchors"
+    }
+
+
 def test_a_saved_state_survives_a_kill_while_saving(
     bench: dict[str, ModuleType], tmp_path: Path
 ) -> None:
