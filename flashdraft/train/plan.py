@@ -67,7 +67,8 @@ def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[Drafter
 
 def initial_drafter(config: RunConfig, drafter_config: DrafterConfig) -> DFlashDrafter:
     """The drafter a run starts from, fp32 on the CPU: seeded (`drafter.init_seed`, else the
-    run seed) or warm-started from `drafter.init_from`, whose taps and width must match."""
+    run seed) or warm-started from `drafter.init_from`, whose taps, hidden size, depth and
+    MLP width must be the run's."""
     seed = config.seed if config.drafter.init_seed is None else config.drafter.init_seed
     if config.drafter.init_from is None:
         return init_seeded(drafter_config, seed)
@@ -79,6 +80,14 @@ def initial_drafter(config: RunConfig, drafter_config: DrafterConfig) -> DFlashD
             f"drafter.init_from {config.drafter.init_from}: its taps "
             f"{warm.config.target_layer_ids} / hidden {warm.config.hidden_size} do not match "
             f"this target ({drafter_config.target_layer_ids} / {drafter_config.hidden_size})"
+        )
+    shape = (warm.config.num_hidden_layers, warm.config.intermediate_size)
+    if shape != (drafter_config.num_hidden_layers, drafter_config.intermediate_size):
+        raise ValueError(
+            f"drafter.init_from {config.drafter.init_from}: {shape[0]} layers of MLP {shape[1]}, "
+            f"the run's drafter {drafter_config.num_hidden_layers} of "
+            f"{drafter_config.intermediate_size}: set drafter.num_layers={shape[0]} "
+            f"drafter.intermediate_size={shape[1]}"
         )
     return warm
 

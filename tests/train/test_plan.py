@@ -3,6 +3,7 @@ builder of the initial drafter."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -177,3 +178,11 @@ def test_the_initial_drafter_is_seeded_or_warm_started(tmp_path, tiny_qwen3_dir,
     other_taps, _ = build_drafter_config(config, target)
     with pytest.raises(ValueError, match="do not match this target"):
         initial_drafter(config, other_taps)
+    config.drafter.target_layer_ids = None
+    narrow = dataclasses.replace(
+        drafter_config, intermediate_size=drafter_config.intermediate_size // 2
+    )
+    with pytest.raises(
+        ValueError, match=r"set drafter\.num_layers=\d+ drafter\.intermediate_size=\d+"
+    ):
+        initial_drafter(config, narrow)  # e.g. a pruned export (bench/prune_mlp.py)
