@@ -291,6 +291,9 @@ def dpace_alpha_of(loss: LossSection) -> float | None:
     return loss.dpace_alpha if loss.weighting == "dpace" else None
 
 
+EMPTY_STEP_FLOOR = 1e-6  # see block_loss
+
+
 def loss_normaliser(mask: Tensor, slot_w: Tensor) -> Tensor:
     """sum(w_k * m) of one micro-batch's trained-slot mask [R, A, B]; add over the global batch."""
     return (mask * slot_w.to(mask.device)).sum()
@@ -319,7 +322,10 @@ def block_loss(
     rows, num, block = labels.shape
     h = hidden.view(rows, num, block, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
     w = slot_w.to(mask.device)[1:] * mask[:, :, 1:]  # [R, A, B-1]
-    coef = (w / normaliser).reshape(-1)
+    # A step with nothing to train (e.g. 8,192-token rows cut from one long prompt, whose
+    # answer is in a later row) has a global normaliser of 0: its loss and gradients are 0,
+    # not 0 / 0 (a non-empty one is >= 1, slot 1 of a valid anchor, so the floor never bites).
+    coef = (w / normaliser.clamp_min(EMPTY_STEP_FLOOR)).reshape(-1)
     dpace = DPace(dpace_alpha, block - 1) if dpace_alpha is not None else None
     flat_soft = None
     if soft is not None:

@@ -143,6 +143,38 @@ def test_loss_is_independent_of_the_micro_batch_split() -> None:
     torch.testing.assert_close(whole, sum(logits_terms) / sum(weights))
 
 
+@pytest.mark.parametrize("dpace", [False, True])
+def test_a_step_with_nothing_to_train_is_a_zero_loss_not_a_nan(dpace) -> None:
+    """A row cut from a long prompt can hold no trained token: when no row of the step has
+    one, the global normaliser is 0 and the loss and its gradient are 0 (not 0 / 0, which
+    stopped the run as "not finite"); a step with one trained slot is unchanged."""
+    config = tiny_config()
+    head = tiny_head(config)
+    h, y, m = _micro_batch(0, config, anchors=4)
+    alpha = 0.5 if dpace else None
+    weights = loss_slot_weights(
+        LossSection(weighting="dpace" if dpace else "decay"), config.block_size
+    )
+    empty = torch.zeros_like(m)
+    hidden = h.clone().requires_grad_()
+    normaliser = loss_normaliser(empty, weights)
+    assert float(normaliser) == 0
+    loss, stats = block_loss(hidden, y, empty, head, weights, normaliser, 5, dpace_alpha=alpha)
+    loss.backward()
+    assert float(loss) == 0 and torch.count_nonzero(hidden.grad) == 0
+    assert stats.summary()["loss"] == 0 and stats.summary()["blocks"] == 0
+    one = torch.zeros_like(m)
+    one[..., 0, 1] = 1  # slot 1 of the first anchor: the smallest non-empty normaliser
+    norm_one = loss_normaliser(one, weights)
+    assert float(norm_one) >= 1
+    loss_one, _ = block_loss(h, y, one, head, weights, norm_one, 5, dpace_alpha=alpha)
+    assert torch.isfinite(loss_one) and float(loss_one) > 0
+    if not dpace:  # the decay's w_1 = 1: the loss is that slot's cross-entropy
+        slot = h.view(1, -1, config.block_size, config.hidden_size)[0, 0, 1]
+        want = F.cross_entropy(head.logits(slot[None]), y[0, 0, 1:2])
+        torch.testing.assert_close(loss_one, want)
+
+
 def test_tau_hat_is_prefix_correct_per_block() -> None:
     """tau_hat counts only the unbroken run of correct drafts in each block."""
     config = tiny_config(block_size=4)
