@@ -394,20 +394,27 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
 
 
 def tau_ratio_interval(
-    mine: dict[str, Any], theirs: dict[str, Any], *, resamples: int = 2000, seed: int = 0
+    mine: dict[str, Any],
+    theirs: dict[str, Any],
+    *,
+    resamples: int = 2000,
+    seed: int = 0,
+    sources: dict[str, str] | None = None,
 ) -> tuple[float, float] | None:
     """A 90% paired bootstrap interval of tau(mine) / tau(theirs) over the eval's prompts
     (each resample draws prompts and keeps both runs' results on them); None unless both
     reports carry per-prompt results for the same prompts (ids, in order). On 8
     prompts one long repetitive answer can move a kind's tau by 20%: the interval says so.
     Prompts that name their `source` (a conversation's turns, a file's functions) are drawn
-    by whole source: turns of one conversation are not independent draws."""
+    by whole source: turns of one conversation are not independent draws. `sources` (prompt
+    id -> source) names them for reports that do not (`flashdraft eval`'s own)."""
     a, b = mine.get("per_prompt") or [], theirs.get("per_prompt") or []
     if not a or [x.get("id") for x in a] != [y.get("id") for y in b]:
         return None
     clusters: dict[str, list[float]] = {}
     for index, (x, y) in enumerate(zip(a, b, strict=True)):
-        key = str(x.get("source") or y.get("source") or f"#{index}")
+        named = x.get("source") or y.get("source") or (sources or {}).get(x.get("id"))
+        key = str(named or f"#{index}")
         sums = clusters.setdefault(key, [0.0, 0.0, 0.0, 0.0])
         sums[0] += sum(x["acceptance_lengths"])
         sums[1] += len(x["acceptance_lengths"])

@@ -425,6 +425,11 @@ def test_the_interval_draws_whole_sources(quality: ModuleType) -> None:
     assert independent is not None and clustered is not None
     assert clustered[1] - clustered[0] > independent[1] - independent[0]
     assert clustered[0] == 1.0  # a resample without conversation "a" is level
+    by_id = dict(enumerate(one_conversation))  # the same sources, named by prompt id
+    named = report.tau_ratio_interval(
+        ev(mine, None), ev(theirs, None), sources={str(i): s for i, s in by_id.items()}
+    )
+    assert named == clustered
 
 
 def test_held_out_eval_prompts_are_spread_over_sources(quality: ModuleType, tmp_path: Path) -> None:
