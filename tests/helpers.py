@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -252,3 +255,14 @@ def emulated_flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, used_k, s
         weights = torch.softmax((q @ k.transpose(1, 2)) * scale, dim=-1)
         out[q0:q1] = (weights @ v).transpose(0, 1)
     return out
+
+
+def bench_modules(*names: str) -> dict[str, ModuleType]:
+    """bench/NAME.py as modules, imported as their scripts run (they import their neighbours
+    from bench/, which is on sys.path only while they load)."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        return {name: importlib.import_module(name) for name in names}
+    finally:
+        sys.path.remove(bench)

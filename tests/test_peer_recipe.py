@@ -4,7 +4,6 @@ speculators installed) the whole recipe in its smoke size: train, export, load, 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import bench_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def bench() -> dict[str, ModuleType]:
     """bench/peer_recipe.py and bench/quality.py as modules (they import their neighbours)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return {name: importlib.import_module(name) for name in ("peer_recipe", "quality")}
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_modules("peer_recipe", "quality")
 
 
 def test_the_peer_trains_on_the_rows_of_the_quality_run(

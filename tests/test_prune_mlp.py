@@ -3,7 +3,6 @@ else unchanged; the narrow export loads and drafts like the wide one minus those
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_drafter
+from helpers import bench_modules, tiny_drafter
 
 from flashdraft.export.dflash import load_dflash, save_dflash
 
@@ -22,11 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def prune() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return importlib.import_module("prune_mlp")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_modules("prune_mlp")["prune_mlp"]
 
 
 def test_keeping_every_neuron_is_the_same_drafter(prune: ModuleType) -> None:

@@ -3,7 +3,6 @@ pipeline in its CPU smoke size."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import bench_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,11 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def quality() -> ModuleType:
     """bench/quality.py as a module; it imports bench/quality_report.py as a script does."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return importlib.import_module("quality")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_modules("quality")["quality"]
 
 
 @pytest.fixture(scope="module")
