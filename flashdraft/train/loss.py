@@ -324,7 +324,8 @@ def block_loss(
     w = slot_w.to(mask.device)[1:] * mask[:, :, 1:]  # [R, A, B-1]
     # A step with nothing to train (e.g. 8,192-token rows cut from one long prompt, whose
     # answer is in a later row) has a global normaliser of 0: its loss and gradients are 0,
-    # not 0 / 0 (a non-empty one is >= 1, slot 1 of a valid anchor, so the floor never bites).
+    # not 0 / 0 (a non-empty one is >= 1, slot 1 of a valid anchor, so the floor never bites),
+    # and the trainer skips its optimizer step (`FiniteGuard`).
     coef = (w / normaliser.clamp_min(EMPTY_STEP_FLOOR)).reshape(-1)
     dpace = DPace(dpace_alpha, block - 1) if dpace_alpha is not None else None
     flat_soft = None

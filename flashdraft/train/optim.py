@@ -204,6 +204,10 @@ class FiniteGuard:
     step is skipped in Python. The loop reads the flag
     (`first_bad_step`) only where it syncs anyway: at every log point, which precedes every
     eval, checkpoint and export, so none of them ever holds non-finite weights.
+
+    A step with nothing to train (`empty`: its global loss normaliser is 0) is skipped the
+    same way, for that step only and without tripping the flag: its gradient is 0, and an
+    optimizer step would still move the weights along the momentum.
     """
 
     NEVER = 2**62
@@ -213,21 +217,28 @@ class FiniteGuard:
     ) -> None:
         self.optimizer, self.start = optimizer, start
         self.tripped = torch.zeros((), dtype=torch.float32, device=device)  # 1.0 once bad
+        self.skip = torch.zeros((), dtype=torch.float32, device=device)  # this step: 1.0 = skip
         self.clean_steps = torch.zeros((), dtype=torch.int64, device=device)
         self.fused = reads_found_inf(optimizer)
         if self.fused:
             for member in members(optimizer):
-                member.found_inf = self.tripped  # type: ignore[attr-defined]
+                member.found_inf = self.skip  # type: ignore[attr-defined]
 
-    def observe(self, loss: Tensor, grad_norm: Tensor) -> None:
+    def observe(self, loss: Tensor, grad_norm: Tensor, empty: Tensor | None = None) -> None:
+        """Fold this step in: `loss` and `grad_norm` finite or not, `empty` (0-d bool) whether
+        the step had nothing to train."""
         bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm))
         torch.maximum(self.tripped, bad.float(), out=self.tripped)
         self.clean_steps += self.tripped == 0
+        if empty is None:
+            self.skip.copy_(self.tripped)
+        else:
+            torch.maximum(self.tripped, empty.float(), out=self.skip)
 
     def step(self) -> None:
-        """The optimizer step, skipped once the flag is up."""
+        """The optimizer step, skipped once the flag is up or when the step was empty."""
         # Unfused, the flag is read on the host: the foreach path runs on the CPU (no sync).
-        if self.fused or not bool(self.tripped):
+        if self.fused or not bool(self.skip):
             self.optimizer.step()
 
     def first_bad_step(self, placement: Placement) -> int | None:

@@ -306,7 +306,7 @@ class Trainer:
             interval.tokens += sum(row.tokens for row in stacked)
             interval.rows += len(stacked)
         grad_norm = nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
-        self.guard.observe(step_loss, grad_norm)
+        self.guard.observe(step_loss, grad_norm, empty=normaliser == 0)
         lr = lr_at(self.step, self.total_steps, self.config.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -47,6 +47,39 @@ def test_a_non_finite_step_and_every_one_after_it_leave_the_weights_alone(fused)
     assert guard.first_bad_step(ALONE) == 13
 
 
+@pytest.mark.parametrize("name", ["adamw", "adamw-fused", "muon"])
+def test_an_empty_step_leaves_weights_and_moments_alone_and_does_not_trip(name) -> None:
+    """A step with nothing to train (the trainer passes `empty` = its normaliser is 0) is
+    skipped for that step only: weights and optimizer state unchanged, the run not stopped,
+    and the next step updates as usual (host path, fused AdamW's found_inf, Muon's)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4, bias=False)
+    if name == "muon":
+        optimizer: torch.optim.Optimizer = Muon(model.parameters(), lr=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=name == "adamw-fused")
+    guard = FiniteGuard(optimizer, torch.device("cpu"), start=0)
+
+    def step(empty: bool) -> None:
+        loss = model(torch.ones(1, 4)).sum() * (0.0 if empty else 1.0)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        guard.observe(loss.detach(), grad_norm, empty=torch.tensor(empty))
+        guard.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(False)
+    before = model.weight.detach().clone()
+    state = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
+    step(True)
+    assert torch.equal(model.weight, before)
+    for key, value in optimizer.state[model.weight].items():
+        assert torch.equal(value, state[key]), key
+    step(False)
+    assert not torch.equal(model.weight, before)
+    assert guard.first_bad_step(ALONE) is None
+
+
 def test_an_infinite_loss_trips_the_guard_even_when_the_gradient_is_finite() -> None:
     model = nn.Linear(4, 3)
     guard = FiniteGuard(torch.optim.AdamW(model.parameters()), torch.device("cpu"), start=0)
@@ -81,7 +114,7 @@ def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs(name) -> None
         loss = model(torch.ones(4, 64, device=device)).sum() * scale
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        guard.observe(loss.detach(), grad_norm)
+        guard.observe(loss.detach(), grad_norm, empty=loss.detach() == 0)  # as the trainer
         guard.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -198,3 +198,31 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
     for got, want in zip(resumed, expected, strict=True):
         for key in ("loss", "tau_hat", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+
+
+def test_rows_with_nothing_to_train_do_not_stop_the_run(tmp_path, tiny_qwen3_dir) -> None:
+    """A conversation whose prompt is longer than a row is split (data.overlong = "split")
+    into rows of prompt only and a last row with the answer: steps on the prompt rows have
+    no trained slot. They log loss 0, tau_hat 1 and a zero gradient (a 0 / 0 loss stopped
+    such runs as "not finite"; that their optimizer step is skipped is tests/train/
+    test_optim.py's), and the answer's step trains."""
+    long_prompt = " ".join(f"word{i} is here." for i in range(300))  # ~1,500 tokens
+    source = tmp_path / "long.jsonl"
+    record = {"messages": [
+        {"role": "user", "content": long_prompt},
+        {"role": "assistant", "content": "A short answer that ends the chat. " * 3},
+    ]}  # fmt: skip
+    source.write_text(json.dumps(record) + "\n")
+    data = tmp_path / "data"
+    prepare = ["prepare", str(source), "--tokenizer", str(tiny_qwen3_dir), "--output", str(data)]
+    assert cli.main([*prepare, "--workers", "1", "--no-progress"]) == 0
+    run = tmp_path / "run"
+    extra = {"optim.max_steps": 8, "log.every": 1, "checkpoint.every": 100, "loss.anchors": 8}
+    assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, data, **extra)]) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, 9))  # the whole epoch: 8 rows
+    empty = [r for r in records if r["blocks"] == 0]
+    trained = [r for r in records if r["blocks"] > 0]
+    assert empty and trained, [(r["step"], r["blocks"]) for r in records]
+    assert all(r["loss"] == 0 and r["tau_hat"] == 1 and r["grad_norm"] == 0 for r in empty)
+    assert all(r["loss"] > 0 for r in trained)
