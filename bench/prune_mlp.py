@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ def weight_scores(drafter: DFlashDrafter) -> list[Tensor]:
     ]
 
 
-def activation_scores(drafter: DFlashDrafter, run: object) -> list[Tensor]:
+def activation_scores(drafter: DFlashDrafter, run: Callable[[], object]) -> list[Tensor]:
     """Per layer, per neuron: RMS of the activation entering down_proj while `run()` drafts,
     times ||down[:, j]||: the size of what the neuron adds to the residual stream."""
     sums = [torch.zeros(layer.mlp.down_proj.in_features) for layer in drafter.layers]
@@ -55,7 +56,7 @@ def activation_scores(drafter: DFlashDrafter, run: object) -> list[Tensor]:
 
         handles.append(layer.mlp.down_proj.register_forward_pre_hook(record))
     try:
-        run()  # type: ignore[operator]
+        run()
     finally:
         for handle in handles:
             handle.remove()
@@ -107,8 +108,8 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
     drafter = load_dflash(args.drafter, dtype=torch.float32).eval()
-    if args.width > drafter.config.intermediate_size:
-        parser.error(f"--width {args.width} is wider than the drafter's MLP")
+    if not 0 < args.width <= drafter.config.intermediate_size:  # before any calibration
+        parser.error(f"--width {args.width}: must be in 1..{drafter.config.intermediate_size}")
     if args.calibration:
         from flashdraft.assets import smollm2_path
         from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval

@@ -200,12 +200,19 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
 
 
-def test_rows_with_nothing_to_train_do_not_stop_the_run(tmp_path, tiny_qwen3_dir) -> None:
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_rows_with_nothing_to_train_do_not_stop_the_run(
+    tmp_path, tiny_qwen3_dir, grad_accum
+) -> None:
     """A conversation whose prompt is longer than a row is split (data.overlong = "split")
     into rows of prompt only and a last row with the answer: steps on the prompt rows have
     no trained slot. They log loss 0, tau_hat 1 and a zero gradient (a 0 / 0 loss stopped
     such runs as "not finite"; that their optimizer step is skipped is tests/train/
-    test_optim.py's), and the answer's step trains."""
+    test_optim.py's), and the answer's step trains: with 2 rows a step (SPEC trap 10) the
+    step is empty only when both rows are, so the answer row's step updates the weights."""
+    from flashdraft.export.dflash import load_dflash
+    from flashdraft.model.drafter import init_seeded
+
     long_prompt = " ".join(f"word{i} is here." for i in range(300))  # ~1,500 tokens
     source = tmp_path / "long.jsonl"
     record = {"messages": [
@@ -217,12 +224,20 @@ def test_rows_with_nothing_to_train_do_not_stop_the_run(tmp_path, tiny_qwen3_dir
     prepare = ["prepare", str(source), "--tokenizer", str(tiny_qwen3_dir), "--output", str(data)]
     assert cli.main([*prepare, "--workers", "1", "--no-progress"]) == 0
     run = tmp_path / "run"
-    extra = {"optim.max_steps": 8, "log.every": 1, "checkpoint.every": 100, "loss.anchors": 8}
+    steps = 8 // grad_accum  # the whole epoch: 8 rows
+    extra = {"optim.max_steps": steps, "optim.grad_accum": grad_accum, "log.every": 1,
+             "checkpoint.every": 100, "loss.anchors": 8}  # fmt: skip
     assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, data, **extra)]) == 0
     records = read_metrics(run)
-    assert [r["step"] for r in records] == list(range(1, 9))  # the whole epoch: 8 rows
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     empty = [r for r in records if r["blocks"] == 0]
     trained = [r for r in records if r["blocks"] > 0]
-    assert empty and trained, [(r["step"], r["blocks"]) for r in records]
+    assert len(empty) == steps - 1 and len(trained) == 1, [
+        (r["step"], r["blocks"]) for r in records
+    ]
     assert all(r["loss"] == 0 and r["tau_hat"] == 1 and r["grad_norm"] == 0 for r in empty)
-    assert all(r["loss"] > 0 for r in trained)
+    assert trained[0]["loss"] > 0 and trained[0]["grad_norm"] > 0
+    exported = load_dflash(str(run / "export"))
+    seed = json.loads((run / "run_config.json").read_text())["seed"]
+    initial = init_seeded(exported.config, seed).to(torch.bfloat16)
+    assert not torch.equal(exported.fc.weight, initial.fc.weight)  # the one step was taken
