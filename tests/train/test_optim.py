@@ -101,7 +101,8 @@ def test_adamw_follows_the_optim_section_and_is_fused_on_cuda_only() -> None:
 def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs(name) -> None:
     """The CUDA path as the trainer runs it: clip, observe, fused AdamW (and flashdraft's
     Muon) with the flag as its `found_inf`; no host sync anywhere (sync debug mode turns one
-    into an error), and a NaN step leaves the weights alone."""
+    into an error), an empty step (loss 0: nothing to train) leaves the weights and moments
+    alone for that step only, and a NaN step leaves them alone for good."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = torch.device("cuda")
@@ -118,18 +119,34 @@ def test_on_cuda_the_guard_keeps_the_fused_step_free_of_host_syncs(name) -> None
         guard.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def checked(*scales: float) -> dict[str, torch.Tensor]:
+        torch.cuda.synchronize()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for scale in scales:
+                step(scale)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return before
+
     step(1.0)  # the optimizer's state is created outside the checked region
-    torch.cuda.synchronize()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(float("nan"))
-        step(1.0)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    weight = model[0].weight
+    (state,) = [
+        o.state[weight] for o in getattr(optimizer, "optimizers", [optimizer]) if weight in o.state
+    ]
+    moments = {k: v.clone() for k, v in state.items()}
+    before = checked(0.0)  # step 2: empty, skipped
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
-    assert guard.first_bad_step(ALONE) == 2
+    for key, value in state.items():
+        assert torch.equal(value, moments[key]), key
+    before = checked(1.0)  # step 3 trains again (the momentum moves the weights)
+    assert not torch.equal(weight, before["0.weight"])
+    before = checked(float("nan"), 1.0)  # steps 4 and 5: the run is lost at 4
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert guard.first_bad_step(ALONE) == 4
 
 
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest() -> None:
