@@ -115,8 +115,9 @@ def smollm2_135m(
     D-PACE slot weights over the decay nothing with Muon and -4 to -9% with AdamW
     (quality_h200_20261202_ablations); with Muon, 5 layers over 3 +27% / +19% / +25% and
     soft labels over hard +12% / +1% / +2% (24 prompts per kind, quality_h200_20261202_s11).
-    This combination at A = 512 and 6 epochs (`ref6`, quality_h200_20261202_s12, the shipped
-    drafter; A = 2048 at 6 epochs is not yet evaluated):
+    This combination at A = 512 and 6 epochs (`ref6`, quality_h200_20261202_s12; the shipped
+    drafter is `ref6` pruned to MLP 704 and trained 2 more epochs at A = 2048,
+    quality_h200_20261204_s22; A = 2048 at 6 epochs is not yet evaluated):
     held-out tau 7.67 chat, 3.50 HumanEval, 4.30 mined Python, decode speedup 4.86x / 2.11x /
     2.67x; +7% / +18% / +14% over the 3-layer hard-label Muon run of 6 epochs (`m6`) on the
     same prompts; 62.9 ms a step, ~17 GPU-minutes. `steps` stops early (default: every
