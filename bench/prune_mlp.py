@@ -2,8 +2,10 @@
 is or to warm-start a narrow run from (`--set drafter.init_from=OUT
 drafter.intermediate_size=WIDTH`; issue 18's 25 MB drafter).
 
-    python bench/prune_mlp.py --drafter benchmarks/artifacts/smollm2-135m-dflash --width 704 \\
-        --output /tmp/ref6-704 --calibration TRAIN_PROMPTS.jsonl --limit 12
+    python bench/prune_mlp.py --drafter RUN/export --width 704 --output /tmp/narrow \\
+        --calibration TRAIN_PROMPTS.jsonl --mix chat=6,humaneval=6,code=12
+
+(`bench/quality.py --prune-from RUN` does this inside its pipeline.)
 
 Each layer keeps the WIDTH neurons of the largest score, in their order: the neuron's output
 column norm ||down[:, j]|| times, with `--calibration`, the root mean square of its activation
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +33,8 @@ from torch import Tensor
 from flashdraft.benchutil import environment, print_json
 from flashdraft.export.dflash import WEIGHTS, load_dflash, save_dflash
 from flashdraft.model.drafter import DFlashDrafter
+
+MIX = "chat=6,humaneval=6,code=12"  # the shipped drafter's calibration (24 training prompts)
 
 
 def weight_scores(drafter: DFlashDrafter) -> list[Tensor]:
@@ -94,6 +100,99 @@ def top_neurons(scores: list[Tensor], width: int) -> list[Tensor]:
     return [s.topk(width).indices.sort().values for s in scores]
 
 
+def parse_mix(text: str) -> dict[str, int]:
+    """`chat=6,humaneval=6,code=12` -> {"chat": 6, "humaneval": 6, "code": 12}."""
+    mix: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, _, count = part.partition("=")
+        if not kind or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--mix {text!r}: expected KIND=N,... with N >= 1, e.g. {MIX}")
+        mix[kind.strip()] = int(count)
+    if not mix:
+        raise ValueError(f"--mix {text!r}: empty; e.g. {MIX}")
+    return mix
+
+
+def calibration_prompts(records: Iterable[dict[str, Any]], mix: dict[str, int]) -> list[dict]:
+    """For each kind of `mix`, the first prompt of each source, in file order, until the kind
+    has its count: one prompt per conversation or file, spread as far as the count goes. Kinds
+    take turns in the result (order does not change the scores beyond float rounding). A kind
+    with fewer sources than asked is an error naming it."""
+    picked: dict[str, list[dict[str, Any]]] = {kind: [] for kind in mix}
+    seen: set[tuple[str, str]] = set()
+    for record in records:
+        kind = record.get("kind")
+        if kind not in mix or len(picked[kind]) >= mix[kind]:
+            continue
+        key = (kind, str(record.get("source", record.get("id"))))
+        if key not in seen:
+            seen.add(key)
+            picked[kind].append(record)
+    short = {k: len(v) for k, v in picked.items() if len(v) < mix[k]}
+    if short:
+        raise ValueError(f"calibration: too few sources for {short} (asked {mix})")
+    return [picked[kind][i] for i in range(max(mix.values())) for kind in mix if i < mix[kind]]
+
+
+def prune_export(
+    drafter_dir: str,
+    width: int,
+    output: str,
+    *,
+    calibration: str | None = None,
+    limit: int = 12,
+    target: str | None = None,
+    max_new_tokens: int = 128,
+) -> dict[str, Any]:
+    """Write `drafter_dir`'s export with `width` MLP neurons per layer to `output`, scored by
+    activations over the first `limit` prompts of `calibration` (the real draft-and-verify
+    loop, fp32 on the CPU: the same choice on every machine) or, without it, by weights.
+    Returns what the script prints as JSON."""
+    started = time.perf_counter()
+    drafter = load_dflash(drafter_dir, dtype=torch.float32).eval()
+    if not 0 < width <= drafter.config.intermediate_size:  # before any calibration
+        raise ValueError(f"--width {width}: must be in 1..{drafter.config.intermediate_size}")
+    if calibration:
+        from flashdraft.assets import smollm2_path
+        from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
+
+        config = EvalConfig(
+            target=target or str(smollm2_path()),
+            drafter=drafter_dir,
+            prompts=calibration,
+            output="unused.json",
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+            device="cpu",
+            reference=False,
+        )
+        loaded, tokenizer = load_eval_target(config)
+        with torch.no_grad():
+            scores = activation_scores(
+                drafter, lambda: run_eval(config, loaded, tokenizer, drafter)
+            )
+    else:
+        scores = weight_scores(drafter)
+    keep = top_neurons(scores, width)
+    kept_share = [float(s[k].sum() / s.sum()) for s, k in zip(scores, keep, strict=True)]
+    save_dflash(narrow(drafter, keep), output)
+    size = (Path(output) / WEIGHTS).stat().st_size
+    print(f"{output}: MLP {drafter.config.intermediate_size} -> {width}, "
+          f"{size / 1e6:.2f} MB; kept score share per layer "
+          + ", ".join(f"{x:.3f}" for x in kept_share))  # fmt: skip
+    return {
+        "bench": "prune-mlp",
+        "drafter": drafter_dir,
+        "width": width,
+        "scores": "activation" if calibration else "weight",
+        "calibration": calibration,
+        "limit": limit if calibration else None,
+        "kept_score_share": kept_share,
+        "bytes": size,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", required=True, help="a dflash export (config.json + weights)")
@@ -102,56 +201,41 @@ def main() -> int:
     parser.add_argument(
         "--calibration", help="training prompts (JSONL) for activation scores (default: weights)"
     )
+    parser.add_argument(
+        "--mix",
+        help=f"with --calibration: take the first prompt of each source per kind, e.g. {MIX} "
+        "(the shipped drafter's); --limit is then their number",
+    )
     parser.add_argument("--target", help="the target's HF directory (default: SmolLM2-135M)")
     parser.add_argument("--limit", type=int, default=12, help="calibration prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    started = time.perf_counter()
-    drafter = load_dflash(args.drafter, dtype=torch.float32).eval()
-    if not 0 < args.width <= drafter.config.intermediate_size:  # before any calibration
-        parser.error(f"--width {args.width}: must be in 1..{drafter.config.intermediate_size}")
-    if args.calibration:
-        from flashdraft.assets import smollm2_path
-        from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
-
-        config = EvalConfig(
-            target=args.target or str(smollm2_path()),
-            drafter=args.drafter,
-            prompts=args.calibration,
-            output="unused.json",
-            max_new_tokens=args.max_new_tokens,
-            limit=args.limit,
-            device="cpu",
-            reference=False,
-        )
-        target, tokenizer = load_eval_target(config)
-        with torch.no_grad():
-            scores = activation_scores(
-                drafter, lambda: run_eval(config, target, tokenizer, drafter)
+    calibration, limit = args.calibration, args.limit
+    try:
+        if args.mix:
+            if not calibration:
+                parser.error("--mix picks from --calibration: give the training prompts file")
+            with open(calibration) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            picked = calibration_prompts(records, parse_mix(args.mix))
+            calibration = str(
+                Path(args.output).with_name(Path(args.output).name + ".calibration.jsonl")
             )
-    else:
-        scores = weight_scores(drafter)
-    keep = top_neurons(scores, args.width)
-    kept_share = [float(s[k].sum() / s.sum()) for s, k in zip(scores, keep, strict=True)]
-    save_dflash(narrow(drafter, keep), args.output)
-    size = (Path(args.output) / WEIGHTS).stat().st_size
-    print(f"{args.output}: MLP {drafter.config.intermediate_size} -> {args.width}, "
-          f"{size / 1e6:.2f} MB; kept score share per layer "
-          + ", ".join(f"{x:.3f}" for x in kept_share))  # fmt: skip
-    print_json(
-        {
-            "bench": "prune-mlp",
-            "drafter": args.drafter,
-            "width": args.width,
-            "scores": "activation" if args.calibration else "weight",
-            "calibration": args.calibration,
-            "limit": args.limit if args.calibration else None,
-            "kept_score_share": kept_share,
-            "bytes": size,
-            "seconds": round(time.perf_counter() - started, 1),
-            **environment(),
-        }
-    )
+            Path(calibration).parent.mkdir(parents=True, exist_ok=True)
+            Path(calibration).write_text("".join(json.dumps(r) + "\n" for r in picked))
+            limit = len(picked)
+        result = prune_export(
+            args.drafter,
+            args.width,
+            args.output,
+            calibration=calibration,
+            limit=limit,
+            target=args.target,
+            max_new_tokens=args.max_new_tokens,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    print_json({**result, **environment()})
     return 0
 
 

@@ -5,6 +5,12 @@
     python bench/quality.py train --run layers5 --set drafter.num_layers=5   # an ablation
     python bench/quality.py all --smoke --output /tmp/q  # CPU, tiny sizes, ~2 minutes
 
+The shipped drafter (24.35 MB, benchmarks/quality_h200_20261204_s22.md), two runs on one data:
+
+    python bench/quality.py all --run ref6 --set loss.anchors=512    # 6 epochs, 38.7 MB
+    python bench/quality.py all --run p704ft2 --prune-from ref6 --set optim.epochs=2 \
+        --set eval.every=0                  # ref6 pruned to MLP 704, then 2 epochs from there
+
 Stages, in order; each skips when its output is complete (a marker in OUT/stages/ records
 the settings it was made with), so the pipeline can span several device calls:
 
@@ -16,7 +22,9 @@ the settings it was made with), so the pipeline can span several device calls:
   prepare        the answers -> the prepared, audited dataset OUT/data
   train          the `smollm2-135m` preset (+ --set) as a `flashdraft train` process in
                  OUT/runs/RUN; under --deadline it is stopped just after a checkpoint and
-                 resumed by the next call, so the schedule is the one of an unbroken run
+                 resumed by the next call, so the schedule is the one of an unbroken run;
+                 with --prune-from it starts from that run's export pruned to --prune-width
+                 (bench/prune_mlp.py, OUT/runs/RUN.init)
   eval           held-out prompts per kind (chat, humaneval, code): tau, per-position
                  acceptance, the lossless check, speedup (CUDA), and z-lab's reference loop
                  on the export when the `dflash` package is installed
@@ -160,6 +168,19 @@ class QualityConfig:
         False, help="generate's static backend: compile the prefill batches' dense parts too"
     )
     run: str = option("reference", help="run name: OUT/runs/RUN (ablations share the data)")
+    prune_from: str | None = option(
+        None,
+        metavar="RUN",
+        help="train: start from OUT/runs/RUN's export with its MLPs pruned to --prune-width "
+        "(bench/prune_mlp.py, calibrated on training prompts; kept in OUT/runs/<run>.init): how "
+        "the shipped 24.35 MB drafter was made from `ref6`",
+    )
+    prune_width: int = option(704, ge=1, help="with --prune-from: MLP neurons kept per layer")
+    prune_mix: str = option(
+        "chat=6,humaneval=6,code=12",
+        help="with --prune-from: calibration prompts per kind, the first of each source of "
+        "OUT/prompts/train.jsonl",
+    )
     steps: int | None = option(None, ge=1, help="training steps (default: the preset's epochs)")
     deadline: float | None = option(
         None,
@@ -500,15 +521,66 @@ class Pipeline:
         )
         overrides = [f'device="{self.device}"', "log.progress=false"]
         overrides += SMOKE_RUN if c.smoke else []
+        if c.prune_from is not None:  # the pruned start (`prune`); --set still wins
+            overrides += [
+                f'drafter.init_from="{self.init_dir}"',
+                f"drafter.intermediate_size={c.prune_width}",
+            ]
         data = cfg.apply_overrides(preset.to_dict(), [*overrides, *self.overrides])
         run: RunConfig = cfg.build(RunConfig, data)
         return run
 
+    @property
+    def init_dir(self) -> Path:
+        """Where --prune-from's narrow start is written."""
+        return self.out / "runs" / f"{self.config.run}.init"
+
+    def prune(self) -> None:
+        """--prune-from RUN: RUN's export with --prune-width MLP neurons per layer, scored by
+        their activations in the draft-and-verify loop on --prune-mix training prompts (fp32
+        on the CPU, so every machine picks the same neurons), into `init_dir`; skipped when
+        its marker matches."""
+        c = self.config
+        source = self.out / "runs" / str(c.prune_from) / "export"
+        weights = source / "model.safetensors"
+        if not weights.exists():
+            raise ValueError(
+                f"--prune-from {c.prune_from}: no export at {source}; train that run first "
+                f"(python bench/quality.py all --run {c.prune_from})"
+            )
+        from prune_mlp import calibration_prompts, parse_mix, prune_export  # beside this script
+
+        with open(self.out / "prompts" / TRAIN_FILE) as f:  # the prompts answered come first
+            records = (json.loads(line) for line in f if line.strip())
+            picked = calibration_prompts(records, parse_mix(c.prune_mix))
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+        settings = {"from": digest, "width": c.prune_width, "prompts": [r["id"] for r in picked]}
+        name = f"prune-{c.run}"
+        marker = self.marker(name)
+        if marker is not None and marker["settings"] == settings and self.init_dir.exists():
+            return
+        calibration = self.out / "runs" / f"{c.run}.init.calibration.jsonl"
+        calibration.write_text("".join(json.dumps(r) + "\n" for r in picked))
+        result = prune_export(
+            str(source),
+            c.prune_width,
+            str(self.init_dir),
+            calibration=str(calibration),
+            limit=len(picked),
+            target=self.target,
+            max_new_tokens=8 if c.smoke else 128,
+        )
+        self.save_marker(name, settings, **result)
+
     def train(self) -> bool:
         """True when the run is finished (its export written); False at the deadline."""
+        if self.config.prune_from is not None:
+            self.prune()
         run = self.run_config()
         name = f"train-{self.config.run}"
         settings = {"run": run.to_dict(), "data": self.marker(self.prepare_marker)}
+        if self.config.prune_from is not None:  # which export, which neurons
+            settings["init"] = (self.marker(f"prune-{self.config.run}") or {}).get("settings")
         marker = self.marker(name)
         if marker is not None and _digest(marker["settings"]) != _digest(settings):
             raise ValueError(

@@ -4,6 +4,7 @@ else unchanged; the narrow export loads and drafts like the wide one minus those
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,38 @@ def test_the_script_writes_a_narrow_export_that_loads(tmp_path: Path) -> None:
     narrow = load_dflash(str(tmp_path / "narrow"))
     assert narrow.config.intermediate_size == 16
     assert narrow.layers[0].mlp.down_proj.weight.shape == (32, 16)
+
+
+def test_the_calibration_mix_takes_the_first_prompt_of_each_source_per_kind(
+    prune: ModuleType,
+) -> None:
+    records = [
+        {"id": "c1", "kind": "chat", "source": "conv-a"},
+        {"id": "x1", "kind": "code", "source": "f.py"},
+        {"id": "c2", "kind": "chat", "source": "conv-a"},  # a second turn of conv-a: skipped
+        {"id": "x2", "kind": "code", "source": "f.py"},
+        {"id": "h1", "kind": "humaneval", "source": "HumanEval/3"},
+        {"id": "c3", "kind": "chat", "source": "conv-b"},
+        {"id": "x3", "kind": "code", "source": "g.py"},
+        {"id": "c4", "kind": "chat", "source": "conv-c"},  # over chat's count
+        {"id": "x4", "kind": "code", "source": "h.py"},
+    ]
+    mix = prune.parse_mix("chat=2, code=3")
+    assert mix == {"chat": 2, "code": 3}
+    picked = prune.calibration_prompts(records, mix)
+    assert [r["id"] for r in picked] == ["c1", "x1", "c3", "x3", "x4"]  # kinds take turns
+    with pytest.raises(ValueError, match=re.escape("too few sources for {'humaneval': 1}")):
+        prune.calibration_prompts(records, {"humaneval": 2})
+    for bad in ("chat", "chat=0", "chat=two", ""):
+        with pytest.raises(ValueError, match="--mix"):
+            prune.parse_mix(bad)
+
+
+def test_the_mix_needs_a_calibration_file(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "prune_mlp.py"), "--drafter", str(tmp_path),
+         "--width", "16", "--output", str(tmp_path / "narrow"), "--mix", "chat=1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--mix picks from --calibration" in done.stderr.strip().splitlines()[-1]

@@ -14,6 +14,8 @@ from types import ModuleType
 import pytest
 from helpers import bench_modules
 
+from flashdraft.export.dflash import load_dflash
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -284,6 +286,14 @@ def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert again.returncode == 0 and "eval chat" not in again.stdout  # nothing redone
     assert json.loads(again.stdout.strip().splitlines()[-1])["tau"] == result["tau"]
+    # the shipped drafter's second run: the first one's export pruned, then trained on
+    narrow = [*command[:2], "train", "--smoke", "--output", str(out), "--run", "narrow"]
+    narrow += ["--prune-from", "reference", "--prune-width", "16", "--prune-mix", "chat=1,code=1"]
+    done = subprocess.run(narrow, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert load_dflash(str(out / "runs/narrow.init")).config.intermediate_size == 16
+    assert load_dflash(str(out / "runs/narrow/export")).config.intermediate_size == 16
+    assert json.loads((out / "stages/prune-narrow.json").read_text())["scores"] == "activation"
 
 
 def test_prepare_trains_the_turns_asked_for(
@@ -610,3 +620,79 @@ def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
     _, config, _ = quality.parse([*argv, "--runs", "gone"])
     with pytest.raises(FileNotFoundError, match="no metrics for run 'gone'"):
         quality.run("curves", config, [])
+
+
+def test_a_pruned_start_is_made_once_and_trained_from(
+    quality: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--prune-from RUN: RUN's export pruned (calibrated on the first training prompt of each
+    source per kind) into OUT/runs/<run>.init, which the run config starts from at the
+    pruned width; the same call again reuses it; a run without an export is a one-line
+    error naming the command that makes it."""
+    out = tmp_path / "q"
+    argv = ["train", "--output", str(out), "--target", "/models/smol", "--run", "narrow"]
+    argv += ["--prune-from", "wide", "--prune-width", "8", "--prune-mix", "chat=1,code=2"]
+    _, config, overrides = quality.parse(argv)
+    pipeline = quality.Pipeline(config, overrides, argv)
+    with pytest.raises(ValueError, match=r"--prune-from wide: no export at .*all --run wide"):
+        pipeline.prune()
+    (out / "runs" / "wide" / "export").mkdir(parents=True)
+    (out / "runs" / "wide" / "export" / "model.safetensors").write_bytes(b"weights")
+    (out / "prompts").mkdir()
+    records = [
+        {"id": "c1", "kind": "chat", "source": "a"},
+        {"id": "c2", "kind": "chat", "source": "a"},
+        {"id": "x1", "kind": "code", "source": "f"},
+        {"id": "x2", "kind": "code", "source": "g"},
+    ]
+    (out / "prompts" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    calls = []
+
+    def fake_prune(source: str, width: int, output: str, **kwargs: object) -> dict:
+        calls.append((source, width, output, kwargs))
+        Path(output).mkdir(parents=True, exist_ok=True)
+        return {"bytes": 1}
+
+    monkeypatch.setattr(sys.modules["prune_mlp"], "prune_export", fake_prune, raising=False)
+    pipeline.prune()
+    pipeline.prune()  # the marker matches: not again
+    ((source, width, output, kwargs),) = calls
+    assert (source, width, output) == (
+        str(out / "runs/wide/export"),
+        8,
+        str(out / "runs/narrow.init"),
+    )
+    calibration = Path(str(kwargs["calibration"]))
+    assert [json.loads(line)["id"] for line in calibration.open()] == ["c1", "x1", "x2"]
+    assert kwargs["limit"] == 3 and kwargs["target"] == "/models/smol"
+    run = pipeline.run_config()
+    assert run.drafter.init_from == str(out / "runs/narrow.init")
+    assert run.drafter.intermediate_size == 8
+    (out / "runs" / "wide" / "export" / "model.safetensors").write_bytes(b"retrained")
+    pipeline.prune()  # another export to start from: pruned again
+    assert len(calls) == 2
+
+
+def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_prunes_ref6(
+    quality: ModuleType,
+) -> None:
+    """Every `python bench/quality.py` line of the README is a valid command; the two lines of
+    the shipped drafter train `ref6` at 512 anchors and start `p704ft2` from it pruned to
+    704 (the slow smoke test runs a pruned start for real)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [
+        line.split("#")[0].split()[2:]
+        for line in readme.splitlines()
+        if line.startswith("python bench/quality.py ")
+    ]
+    assert len(lines) >= 7
+    parsed = {}
+    for argv in lines:
+        stage, config, overrides = quality.parse(argv)
+        parsed[config.run] = (stage, config, overrides)
+    stage, ref6, overrides = parsed["ref6"]
+    assert stage == "all" and ref6.prune_from is None and overrides == ["loss.anchors=512"]
+    stage, shipped, overrides = parsed["p704ft2"]
+    assert stage == "all" and (shipped.prune_from, shipped.prune_width) == ("ref6", 704)
+    assert shipped.prune_mix == "chat=6,humaneval=6,code=12"
+    assert overrides == ["optim.epochs=2", "eval.every=0"]
