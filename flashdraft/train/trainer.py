@@ -67,6 +67,7 @@ class Interval:
     steps: int = 0
     tokens: int = 0
     rows: int = 0
+    empty: Tensor | None = None  # steps with nothing to train (their update skipped)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -125,6 +126,7 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.drafter, config.optim, self.device)
         self.step, self.cursor = plan.start_step, plan.start_cursor
+        self.empty_steps = 0  # steps of this process with no trained token (warned at each log)
         if plan.resume_from is not None:  # verified by plan_run
             load_checkpoint(plan.resume_from, self.drafter, self.optimizer, verify=False)
         self.guard = FiniteGuard(self.optimizer, self.device, self.step)
@@ -306,7 +308,9 @@ class Trainer:
             interval.tokens += sum(row.tokens for row in stacked)
             interval.rows += len(stacked)
         grad_norm = nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
-        self.guard.observe(step_loss, grad_norm, empty=normaliser == 0)
+        empty = normaliser == 0  # the same on every rank: the normaliser is global
+        self.guard.observe(step_loss, grad_norm, empty=empty)
+        interval.empty = empty.int() if interval.empty is None else interval.empty + empty
         lr = lr_at(self.step, self.total_steps, self.config.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -363,6 +367,18 @@ class Trainer:
         }
         if not math.isfinite(record["loss"]):  # the guard sees every step; this is a backstop
             raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; stopping")
+        empty = int(interval.empty) if interval.empty is not None else 0  # synced above
+        if empty:
+            record["empty_steps"] = empty
+            self.empty_steps += empty
+            if self.placement.is_logger:
+                log.warning(
+                    f"flashdraft train: {empty} of the {interval.steps} steps to step {self.step} "
+                    f"had no trained token ({self.empty_steps} in this run so far; their "
+                    "optimizer updates were skipped): rows of prompt text only, e.g. pieces of "
+                    "samples longer than data.row_tokens; check `flashdraft audit` or raise "
+                    "data.row_tokens"
+                )
         if self.logger is not None:
             self.logger.log(record)
         if progress is not None:

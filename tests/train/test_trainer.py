@@ -202,7 +202,7 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_rows_with_nothing_to_train_do_not_stop_the_run(
-    tmp_path, tiny_qwen3_dir, grad_accum
+    tmp_path, tiny_qwen3_dir, grad_accum, caplog
 ) -> None:
     """A conversation whose prompt is longer than a row is split (data.overlong = "split")
     into rows of prompt only and a last row with the answer: steps on the prompt rows have
@@ -236,6 +236,10 @@ def test_rows_with_nothing_to_train_do_not_stop_the_run(
         (r["step"], r["blocks"]) for r in records
     ]
     assert all(r["loss"] == 0 and r["tau_hat"] == 1 and r["grad_norm"] == 0 for r in empty)
+    assert [r.get("empty_steps") for r in records] == [
+        1 if r["blocks"] == 0 else None for r in records
+    ]
+    assert f"{steps - 1} in this run so far" in caplog.text  # said, not only logged as numbers
     assert trained[0]["loss"] > 0 and trained[0]["grad_norm"] > 0
     exported = load_dflash(str(run / "export"))
     seed = json.loads((run / "run_config.json").read_text())["seed"]
