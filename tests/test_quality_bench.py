@@ -590,6 +590,26 @@ def test_the_committed_reference_data_is_what_its_readme_records() -> None:
             assert split["counts"][kind]["held_out_sources"] > 0
 
 
+def test_the_shipped_drafter_is_what_its_card_records() -> None:
+    """benchmarks/artifacts/smollm2-135m-dflash/: each file has the size and sha256 its
+    README lists (a new drafter shipped without a new card fails here), the card's shape is
+    the config's, and the export stays under the issue's 25 MB."""
+    import hashlib
+    import re
+
+    folder = ROOT / "benchmarks" / "artifacts" / "smollm2-135m-dflash"
+    card = (folder / "README.md").read_text()
+    rows = re.findall(r"^\| `(\S+)` \| (\d+) \| `([0-9a-f]{64})` \|$", card, flags=re.M)
+    assert {name for name, _, _ in rows} == {p.name for p in folder.iterdir()} - {"README.md"}
+    for name, size, digest in rows:
+        data = (folder / name).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (int(size), digest), name
+    config = json.loads((folder / "config.json").read_text())
+    shape = (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"])
+    assert f"{shape[0]} draft layers, hidden {shape[1]}, MLP {shape[2]}" in card
+    assert (folder / "model.safetensors").stat().st_size <= 25_000_000
+
+
 def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
     quality: ModuleType, tmp_path: Path
 ) -> None:
