@@ -146,8 +146,8 @@ def prune_export(
 ) -> dict[str, Any]:
     """Write `drafter_dir`'s export with `width` MLP neurons per layer to `output`, scored by
     activations over the first `limit` prompts of `calibration` (the real draft-and-verify
-    loop, fp32 on the CPU: the same choice on every machine) or, without it, by weights.
-    Returns what the script prints as JSON."""
+    loop, fp32 on the CPU whatever the device, as the shipped start was made) or, without
+    it, by weights. Returns what the script prints as JSON."""
     started = time.perf_counter()
     drafter = load_dflash(drafter_dir, dtype=torch.float32).eval()
     if not 0 < width <= drafter.config.intermediate_size:  # before any calibration

@@ -538,8 +538,8 @@ class Pipeline:
     def prune(self) -> None:
         """--prune-from RUN: RUN's export with --prune-width MLP neurons per layer, scored by
         their activations in the draft-and-verify loop on --prune-mix training prompts (fp32
-        on the CPU, so every machine picks the same neurons), into `init_dir`; skipped when
-        its marker matches."""
+        on the CPU whatever the device, as the shipped start was made), into `init_dir`;
+        skipped when its marker matches."""
         c = self.config
         source = self.out / "runs" / str(c.prune_from) / "export"
         weights = source / "model.safetensors"
