@@ -453,6 +453,9 @@ multi)
   # CALL_START, epoch seconds, when a stage ran before in the same call); one with less than
   # MULTI_MIN (200) s left is not started. The same call again resumes them all. The logs and
   # reports come back as one multi.tgz (8 files come back), the exports only of EXPORT_RUNS.
+  # MULTI_SEQUENCE=1: the runs one after another instead, each started only once the one
+  # before it is complete (e.g. "ref6 loss.anchors=512;p704ft2 --prune-from=ref6 ...": the
+  # shipped drafter's two runs); the same call again goes on where it stopped.
   start=${CALL_START:-$(date +%s)}
   IFS=';' read -ra specs <<< "${ABLATIONS:?ABLATIONS=\"NAME KEY=VALUE ...;NAME ...\"}"
   mkdir -p "$OUT/multi"
@@ -476,6 +479,14 @@ multi)
     run_quality "$OUT/multi/ablate_$name.txt" $((left + 30)) "$OUT/multi" all --run "$name" \
       --deadline $((left - 20)) "${sets[@]}" &
     names+=("$name")
+    if [ "${MULTI_SEQUENCE:-0}" = 1 ]; then  # one after another: a run may need the one
+      wait $!                                # before it (--prune-from=RUN), so it waits for it
+      if ! grep -q '"complete": true' "$OUT/multi/ablate_$name.txt"; then
+        echo "== $name: not complete; the runs after it wait for the next call"
+        break
+      fi
+      continue
+    fi
     if [ "${#names[@]}" = 1 ] && [ ! -f /tmp/inductor-warm ]; then
       first_step "$name" $!
     fi

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,3 +183,45 @@ def test_a_checkpoint_sent_back_over_two_calls_restores_the_run_on_a_fresh_machi
     expect = {k for k in files if "00000500" not in k and "00001500" not in k and "eval" not in k}
     assert got == expect
     assert all((fresh / k).read_text() == files[k] for k in expect)
+
+
+def test_multi_in_sequence_starts_a_run_only_after_the_one_before_completes(
+    tmp_path: Path,
+) -> None:
+    """`multi` with MULTI_SEQUENCE=1 (a run that prunes another's export needs it finished):
+    each run starts after the one before has ended complete; an incomplete run (its
+    deadline came) leaves the later ones for the next call. bench/quality.py is a stand-in
+    here that logs its start and end and is complete unless its run is named `cut*`."""
+    fake = tmp_path / "bench" / "quality.py"
+    fake.parent.mkdir()
+    fake.write_text(textwrap.dedent('''
+        import json, os, sys, time
+        run = sys.argv[sys.argv.index("--run") + 1]
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"start {run} {' '.join(sys.argv[1:])}\\n")
+        time.sleep(0.3)
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"end {run}\\n")
+        print(json.dumps({"complete": not run.startswith("cut"), "run": run}))
+    '''))  # fmt: skip
+    (tmp_path / "site").mkdir()
+    calls = tmp_path / "calls.txt"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "MULTI_SEQUENCE": "1",
+           "MULTI_MIN": "1", "STAGGER_MAX": "1", "QUALITY_ARGS": "--smoke"}  # fmt: skip
+    script = str(ROOT / "bench" / "quality_session.sh")
+
+    def multi(ablations: str) -> list[str]:
+        calls.write_text("")
+        done = subprocess.run(
+            ["bash", script, "multi"], cwd=tmp_path, env={**env, "ABLATIONS": ablations},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return [" ".join(line.split()[:2]) for line in calls.read_text().splitlines()]
+
+    events = multi("ref6 loss.anchors=512;small --prune-from=ref6 optim.epochs=2")
+    assert events == ["start ref6", "end ref6", "start small", "end small"]
+    started = [line for line in calls.read_text().splitlines() if line.startswith("start small")]
+    assert "--prune-from=ref6 --set optim.epochs=2" in started[0]
+    assert multi("cut1 optim.epochs=2;after optim.epochs=2") == ["start cut1", "end cut1"]
