@@ -543,6 +543,9 @@ class Pipeline:
         c = self.config
         source = self.out / "runs" / str(c.prune_from) / "export"
         weights = source / "model.safetensors"
+        name = f"prune-{c.run}"
+        if self.marker(name) is not None and complete_checkpoints(str(self.run_dir)):
+            return  # a resume: its checkpoint holds every weight (the start is not read again)
         if not weights.exists():
             raise ValueError(
                 f"--prune-from {c.prune_from}: no export at {source}; train that run first "
@@ -555,7 +558,6 @@ class Pipeline:
             picked = calibration_prompts(records, parse_mix(c.prune_mix))
         digest = hashlib.sha256(weights.read_bytes()).hexdigest()
         settings = {"from": digest, "width": c.prune_width, "prompts": [r["id"] for r in picked]}
-        name = f"prune-{c.run}"
         marker = self.marker(name)
         if marker is not None and marker["settings"] == settings and self.init_dir.exists():
             return

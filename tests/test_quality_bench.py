@@ -4,6 +4,7 @@ pipeline in its CPU smoke size."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -673,7 +674,8 @@ def test_a_pruned_start_is_made_once_and_trained_from(
         Path(output).mkdir(parents=True, exist_ok=True)
         return {"bytes": 1}
 
-    monkeypatch.setattr(sys.modules["prune_mlp"], "prune_export", fake_prune, raising=False)
+    prune_mlp = bench_modules("prune_mlp")["prune_mlp"]  # what quality.py imports at run time
+    monkeypatch.setattr(prune_mlp, "prune_export", fake_prune)
     pipeline.prune()
     pipeline.prune()  # the marker matches: not again
     ((source, width, output, kwargs),) = calls
@@ -690,6 +692,13 @@ def test_a_pruned_start_is_made_once_and_trained_from(
     assert run.drafter.intermediate_size == 8
     (out / "runs" / "wide" / "export" / "model.safetensors").write_bytes(b"retrained")
     pipeline.prune()  # another export to start from: pruned again
+    assert len(calls) == 2
+    # a resume (the run has a checkpoint) needs neither the source export nor the start
+    checkpoint = out / "runs" / "narrow" / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    monkeypatch.setattr(quality, "complete_checkpoints", lambda url: [(2, str(checkpoint))])
+    shutil.rmtree(out / "runs" / "wide")
+    pipeline.prune()
     assert len(calls) == 2
 
 

@@ -65,12 +65,15 @@ def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[Drafter
     return drafter_config, why
 
 
-def initial_drafter(config: RunConfig, drafter_config: DrafterConfig) -> DFlashDrafter:
+def initial_drafter(
+    config: RunConfig, drafter_config: DrafterConfig, *, resuming: bool = False
+) -> DFlashDrafter:
     """The drafter a run starts from, fp32 on the CPU: seeded (`drafter.init_seed`, else the
     run seed) or warm-started from `drafter.init_from`, whose taps, hidden size, depth and
-    MLP width must be the run's."""
+    MLP width must be the run's. `resuming`: every weight comes from the checkpoint next, so
+    the warm start is not read (its folder may be gone by then)."""
     seed = config.seed if config.drafter.init_seed is None else config.drafter.init_seed
-    if config.drafter.init_from is None:
+    if config.drafter.init_from is None or resuming:
         return init_seeded(drafter_config, seed)
     warm = load_dflash(config.drafter.init_from, dtype=torch.float32)
     if warm.config.target_layer_ids != drafter_config.target_layer_ids or (

@@ -114,7 +114,9 @@ class Trainer:
         self.target, self.head = self.source.target, self.source.head
         self.head.check_drafter(self.drafter_config)  # what the export will tell the engines
 
-        self.drafter = initial_drafter(config, self.drafter_config).to(self.device)
+        resuming = plan.resume_from is not None
+        self.drafter = initial_drafter(config, self.drafter_config, resuming=resuming)
+        self.drafter = self.drafter.to(self.device)
         if config.compile and self.device.type == "cuda":
             compile_drafter(self.drafter)
         self.model = wrap_drafter(

@@ -173,6 +173,10 @@ def test_the_initial_drafter_is_seeded_or_warm_started(tmp_path, tiny_qwen3_dir,
     warm = initial_drafter(config, drafter_config)
     assert warm.fc.weight.dtype == torch.float32
     assert torch.equal(warm.fc.weight, seeded.fc.weight.to(torch.bfloat16).float())
+    config.drafter.init_from = str(tmp_path / "gone")  # resuming: the checkpoint has them all
+    resumed = initial_drafter(config, drafter_config, resuming=True)
+    assert torch.equal(resumed.fc.weight, other.fc.weight)  # seeded (init_seed 4), not read
+    config.drafter.init_from = str(tmp_path / "warm")
 
     config.drafter.target_layer_ids = [0, 1]
     other_taps, _ = build_drafter_config(config, target)

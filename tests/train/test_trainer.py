@@ -245,3 +245,46 @@ def test_rows_with_nothing_to_train_do_not_stop_the_run(
     seed = json.loads((run / "run_config.json").read_text())["seed"]
     initial = init_seeded(exported.config, seed).to(torch.bfloat16)
     assert not torch.equal(exported.fc.weight, initial.fc.weight)  # the one step was taken
+
+
+def test_a_warm_started_run_resumes_without_its_warm_start_folder(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """A resumed run takes every weight from its checkpoint, so `drafter.init_from` is not
+    read again: the run resumes, to the same numbers, after the warm start's folder is gone
+    (a pruned start kept on a machine that has since been replaced)."""
+    import shutil
+
+    from flashdraft.export.dflash import save_dflash
+    from flashdraft.model.drafter import init_seeded
+    from flashdraft.train.plan import build_drafter_config, load_target_config
+
+    extra = {"optim.max_steps": 2, "checkpoint.every": 2, "log.every": 1, "loss.anchors": 8}
+    first = tmp_path / "a"
+    settings = train_settings(first, tiny_qwen3_dir, qwen_data, **extra)
+    config = cli_config(settings)
+    drafter_config, _ = build_drafter_config(config, load_target_config(str(tiny_qwen3_dir)))
+    warm = tmp_path / "warm"
+    save_dflash(init_seeded(drafter_config, 7), str(warm))  # not the run's own seeded init
+    settings += ["--set", f'drafter.init_from="{warm}"']
+    assert cli.main(["train", *settings]) == 0
+    second = tmp_path / "b"
+    shutil.copytree(first, second)
+    more = ["--set", "optim.max_steps=4", "--resume"]
+    assert cli.main(["train", *settings, *more]) == 0
+    shutil.rmtree(warm)
+    moved = [*settings, "--set", f'output="{second}"', *more]
+    assert cli.main(["train", *moved]) == 0
+    got, want = read_metrics(second), read_metrics(first)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    for a, b in zip(got, want, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+
+
+def cli_config(settings: list[str]):
+    """The run config that `flashdraft train` builds from these `--set` arguments."""
+    from flashdraft import config as cfg
+    from flashdraft.train.config import RunConfig
+
+    pairs = [settings[i + 1] for i in range(0, len(settings), 2) if settings[i] == "--set"]
+    return cfg.build(RunConfig, cfg.apply_overrides({}, pairs))
