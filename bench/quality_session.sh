@@ -143,6 +143,16 @@
 # on a fresh machine (need_one). Training is deterministic across machines (same tau_hat to
 # the third decimal), so a lost run restarts from its seed; keep each call's return under
 # ~30 MB and chain the calls: one + cache; two + multi; multi ... (as above, no SEND_CKPT).
+#
+# 2026-12-04, twenty-second session (benchmarks/quality_h200_20261204_s22.md): one + cache;
+# TWO_STAGES=prepare two; then, carrying .qinit/ref6-704b (copied to /tmp/qinit first),
+# MULTI_BUDGET=555 MULTI_MIN=60 EXPORT_RUNS=p704ft2 ABLATIONS="p704ft2
+# drafter.init_from=/tmp/qinit/ref6-704b drafter.intermediate_size=704 optim.epochs=2
+# eval.every=0" multi: all 4,626 steps, the export and every eval in one 430 s call (the
+# shipped drafter). The same recipe from nothing, in order (MULTI_SEQUENCE=1: each run once
+# the one before is complete; the same call again goes on):
+#   MULTI_SEQUENCE=1 EXPORT_RUNS=p704ft2 ABLATIONS="ref6 loss.anchors=512 eval.every=0
+#   --eval-kinds=chat;p704ft2 --prune-from=ref6 optim.epochs=2 eval.every=0" multi
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
