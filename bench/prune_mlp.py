@@ -31,10 +31,12 @@ import torch
 from torch import Tensor
 
 from flashdraft.benchutil import environment, print_json
+from flashdraft.export import verify_export
 from flashdraft.export.dflash import WEIGHTS, load_dflash, save_dflash
 from flashdraft.model.drafter import DFlashDrafter
 
 MIX = "chat=6,humaneval=6,code=12"  # the shipped drafter's calibration (24 training prompts)
+CALIBRATION_THREADS = 2  # as the shipped drafter's start was scored (on this 2-core machine)
 
 
 def weight_scores(drafter: DFlashDrafter) -> list[Tensor]:
@@ -134,6 +136,15 @@ def calibration_prompts(records: Iterable[dict[str, Any]], mix: dict[str, int]) 
     return [picked[kind][i] for i in range(max(mix.values())) for kind in mix if i < mix[kind]]
 
 
+def write_calibration(records: Iterable[dict[str, Any]], mix: str, path: Path) -> list[dict]:
+    """`calibration_prompts` of `records` for the mix `KIND=N,...`, written to `path` (JSONL,
+    what `prune_export` reads); returns them."""
+    picked = calibration_prompts(records, parse_mix(mix))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    return picked
+
+
 def prune_export(
     drafter_dir: str,
     width: int,
@@ -146,8 +157,26 @@ def prune_export(
 ) -> dict[str, Any]:
     """Write `drafter_dir`'s export with `width` MLP neurons per layer to `output`, scored by
     activations over the first `limit` prompts of `calibration` (the real draft-and-verify
-    loop, fp32 on the CPU whatever the device, as the shipped start was made) or, without
-    it, by weights. Returns what the script prints as JSON."""
+    loop, fp32 on the CPU with 2 threads whatever the machine, as the shipped start was made:
+    float sums depend on the thread count) or, without it, by weights. The narrow export is
+    checked as every export is (`verify_export`). Returns what the script prints as JSON."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CALIBRATION_THREADS)
+    try:
+        return _prune_export(drafter_dir, width, output, calibration, limit, target, max_new_tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prune_export(
+    drafter_dir: str,
+    width: int,
+    output: str,
+    calibration: str | None,
+    limit: int,
+    target: str | None,
+    max_new_tokens: int,
+) -> dict[str, Any]:
     started = time.perf_counter()
     drafter = load_dflash(drafter_dir, dtype=torch.float32).eval()
     if not 0 < width <= drafter.config.intermediate_size:  # before any calibration
@@ -175,7 +204,9 @@ def prune_export(
         scores = weight_scores(drafter)
     keep = top_neurons(scores, width)
     kept_share = [float(s[k].sum() / s.sum()) for s, k in zip(scores, keep, strict=True)]
-    save_dflash(narrow(drafter, keep), output)
+    narrowed = narrow(drafter, keep)
+    save_dflash(narrowed, output)
+    verify_export(narrowed, output)
     size = (Path(output) / WEIGHTS).stat().st_size
     print(f"{output}: MLP {drafter.config.intermediate_size} -> {width}, "
           f"{size / 1e6:.2f} MB; kept score share per layer "
@@ -216,14 +247,10 @@ def main() -> int:
             if not calibration:
                 parser.error("--mix picks from --calibration: give the training prompts file")
             with open(calibration) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-            picked = calibration_prompts(records, parse_mix(args.mix))
-            calibration = str(
-                Path(args.output).with_name(Path(args.output).name + ".calibration.jsonl")
-            )
-            Path(calibration).parent.mkdir(parents=True, exist_ok=True)
-            Path(calibration).write_text("".join(json.dumps(r) + "\n" for r in picked))
-            limit = len(picked)
+                records = (json.loads(line) for line in f if line.strip())
+                path = Path(f"{args.output}.calibration.jsonl")
+                limit = len(write_calibration(records, args.mix, path))
+            calibration = str(path)
         result = prune_export(
             args.drafter,
             args.width,
@@ -240,5 +267,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(2)
     sys.exit(main())

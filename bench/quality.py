@@ -538,8 +538,8 @@ class Pipeline:
     def prune(self) -> None:
         """--prune-from RUN: RUN's export with --prune-width MLP neurons per layer, scored by
         their activations in the draft-and-verify loop on --prune-mix training prompts (fp32
-        on the CPU whatever the device, as the shipped start was made), into `init_dir`;
-        skipped when its marker matches."""
+        on the CPU with 2 threads, as the shipped start was made; `prune_mlp.prune_export`),
+        into `init_dir`; skipped when its marker matches or the run has a checkpoint."""
         c = self.config
         source = self.out / "runs" / str(c.prune_from) / "export"
         weights = source / "model.safetensors"
@@ -551,18 +551,17 @@ class Pipeline:
                 f"--prune-from {c.prune_from}: no export at {source}; train that run first "
                 f"(python bench/quality.py all --run {c.prune_from})"
             )
-        from prune_mlp import calibration_prompts, parse_mix, prune_export  # beside this script
+        from prune_mlp import prune_export, write_calibration  # beside this script
 
+        calibration = self.out / "runs" / f"{c.run}.init.calibration.jsonl"
         with open(self.out / "prompts" / TRAIN_FILE) as f:  # the prompts answered come first
             records = (json.loads(line) for line in f if line.strip())
-            picked = calibration_prompts(records, parse_mix(c.prune_mix))
+            picked = write_calibration(records, c.prune_mix, calibration)
         digest = hashlib.sha256(weights.read_bytes()).hexdigest()
         settings = {"from": digest, "width": c.prune_width, "prompts": [r["id"] for r in picked]}
         marker = self.marker(name)
         if marker is not None and marker["settings"] == settings and self.init_dir.exists():
             return
-        calibration = self.out / "runs" / f"{c.run}.init.calibration.jsonl"
-        calibration.write_text("".join(json.dumps(r) + "\n" for r in picked))
         result = prune_export(
             str(source),
             c.prune_width,

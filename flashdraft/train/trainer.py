@@ -128,7 +128,8 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.drafter, config.optim, self.device)
         self.step, self.cursor = plan.start_step, plan.start_cursor
-        self.empty_steps = 0  # steps of this process with no trained token (warned at each log)
+        self.empty_steps = 0  # steps of this process (not of a resumed run's earlier ones)
+        # with no trained token, warned about at each log
         if plan.resume_from is not None:  # verified by plan_run
             load_checkpoint(plan.resume_from, self.drafter, self.optimizer, verify=False)
         self.guard = FiniteGuard(self.optimizer, self.device, self.step)
@@ -376,7 +377,7 @@ class Trainer:
             if self.placement.is_logger:
                 log.warning(
                     f"flashdraft train: {empty} of the {interval.steps} steps to step {self.step} "
-                    f"had no trained token ({self.empty_steps} in this run so far; their "
+                    f"had no trained token ({self.empty_steps} since this process started; their "
                     "optimizer updates were skipped): rows of prompt text only, e.g. pieces of "
                     "samples longer than data.row_tokens; check `flashdraft audit` or raise "
                     "data.row_tokens"

@@ -239,7 +239,9 @@ def test_rows_with_nothing_to_train_do_not_stop_the_run(
     assert [r.get("empty_steps") for r in records] == [
         1 if r["blocks"] == 0 else None for r in records
     ]
-    assert f"{steps - 1} in this run so far" in caplog.text  # said, not only logged as numbers
+    assert (
+        f"{steps - 1} since this process started" in caplog.text
+    )  # said, not only logged as numbers
     assert trained[0]["loss"] > 0 and trained[0]["grad_norm"] > 0
     exported = load_dflash(str(run / "export"))
     seed = json.loads((run / "run_config.json").read_text())["seed"]
