@@ -45,7 +45,7 @@ from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import plan_run
-from flashdraft.train.trainer import PHASES, Interval, Trainer
+from flashdraft.train.trainer import PHASES, Interval, StepRows, Trainer
 
 log = get_logger("bench.trainer")
 
@@ -294,14 +294,16 @@ def parse() -> argparse.Namespace:
 def timed_steps(trainer: Trainer, count: int) -> list[float]:
     """Wall seconds of each of `count` full steps (`optim.grad_accum` rows each), the device
     synchronised after each: the first of a trainer includes its compilation."""
-    rows = trainer.stream.iterate(iter(range(10**9)), 0)
+    rows = StepRows(trainer, trainer.stream.iterate(iter(range(10**9)), 0))
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        trainer.train_step([next(rows) for _ in range(trainer.config.optim.grad_accum)], Interval())
+        trainer.train_step(rows.take(), Interval())
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    while rows.upcoming:  # the rest of a group the target ran ahead for, untimed
+        trainer.train_step(rows.take(), Interval())
     return times
 
 
@@ -345,14 +347,15 @@ def profile_steps(trainer: Trainer, steps: int = 3) -> None:
     """The top CUDA kernels of a few full steps, and how much of the step the GPU was busy."""
     from torch.profiler import ProfilerActivity, profile
 
-    rows = trainer.stream.iterate(iter(range(10**9)), 2)
-    per_step = trainer.config.optim.grad_accum
-    trainer.train_step([next(rows) for _ in range(per_step)], Interval())
+    rows = StepRows(trainer, trainer.stream.iterate(iter(range(10**9)), 2))
+    for _ in range(rows.group_size()):  # a whole group: the profiled steps start the next one
+        trainer.train_step(rows.take(), Interval())
+    steps = max(steps, rows.group_size())  # the target running ahead: a whole group at least
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            trainer.train_step([next(rows) for _ in range(per_step)], Interval())
+            trainer.train_step(rows.take(), Interval())
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     events = prof.key_averages()

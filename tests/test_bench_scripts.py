@@ -42,6 +42,30 @@ def test_the_trainer_bench_times_the_first_steps() -> None:
     assert result["first_step_s"] >= 0 and result["second_step_s"] > 0
 
 
+def test_the_trainer_bench_runs_the_target_ahead() -> None:
+    """`--set target.forward_rows=4`: the target's part is one forward of 4 rows, the
+    drafter's one row, a full-step call the group of 4 steps (the next session's GPU
+    measurement of the SmolLM2 step runs this way)."""
+    stdout = run(
+        "bench/trainer.py", "--smoke", "--rows", "256", "--skip-overlap-off",
+        "--set", "target.forward_rows=4",
+    )  # fmt: skip
+    result = json.loads(stdout.strip().splitlines()[-1])
+    rows = {r["what"]: r["rows"] for r in result["results"]}
+    assert rows == {
+        "target forward": 4,
+        "drafter step": 1,
+        "full online step": 4,
+        "full online steps, back to back": 4,
+    }
+    result = json.loads(
+        run("bench/trainer.py", "--smoke", "--first-step", "--set", "target.forward_rows=4")
+        .strip()
+        .splitlines()[-1]
+    )
+    assert result["first_step_s"] >= 0 and result["second_step_s"] > 0
+
+
 def test_the_prefill_profile_runs_on_cpu() -> None:
     stdout = run("bench/prefill_profile.py", "--smoke")
     assert "prefill of 3 x 20 tokens" in stdout and "aten::" in stdout

@@ -23,12 +23,19 @@ import torch
 from flashdraft import config as cfg
 from flashdraft.benchutil import matmul_peak, measure, measure_back_to_back
 from flashdraft.config import option
+from flashdraft.train.features import (
+    AheadTarget,
+    LocalTarget,
+    device_put,
+    draft_batch,
+    rows_on_device,
+)
 from flashdraft.train.packing import Row
 from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import plan_run
 from flashdraft.train.presets import RunSource
 from flashdraft.train.step import draft_loss
-from flashdraft.train.trainer import Interval, Trainer
+from flashdraft.train.trainer import Interval, StepRows, Trainer
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,20 +120,31 @@ def step_flops(trainer: Trainer) -> tuple[float, float]:
 
 
 def _time_parts(
-    trainer: Trainer, rows: list[Row], record: Callable[[str, Callable[[], None], float], None]
+    trainer: Trainer,
+    rows: list[Row],
+    record: Callable[[str, Callable[[], None], float, int], None],
 ) -> None:
     """Time the target forward alone and the drafter step alone, each on one forward's rows
-    (`optim.rows_per_forward`; one fixed batch for the drafter, freed on return so that it
-    does not count in the full step's peak memory)."""
+    (the target's: `target.forward_rows` when it runs ahead, else `optim.rows_per_forward`,
+    the drafter's; one fixed batch for the drafter, freed on return so that it does not count
+    in the full step's peak memory)."""
     device, config = trainer.device, trainer.config
     per = config.optim.rows_per_forward
-    batch = trainer.make_batch(rows[:per])
+    source = trainer.source
+    local = source.local if isinstance(source, AheadTarget) else source
+    assert isinstance(local, LocalTarget), "bench needs the target on this rank (colocated)"
+    ahead = config.target.forward_rows if isinstance(source, AheadTarget) else per
+    batch = draft_batch(local, rows[:per], device_put(device))
     counter = iter(range(10**9))
     queries = config.loss.anchors * trainer.block * per
     normaliser = torch.tensor(float(queries), device=device)
 
     def target_only() -> None:
-        trainer.make_batch([rows[next(counter) % len(rows)] for _ in range(per)])
+        group = [rows[next(counter) % len(rows)] for _ in range(ahead)]
+        if ahead == per:
+            trainer.make_batch(group)
+        else:
+            local.row_outputs(group, rows_on_device(group, local.put))
 
     def drafter_only() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -145,8 +163,8 @@ def _time_parts(
         trainer.optimizer.zero_grad(set_to_none=True)
 
     target_flops, drafter_flops = step_flops(trainer)
-    record("target forward", target_only, target_flops * per)
-    record("drafter step", drafter_only, drafter_flops * per)
+    record("target forward", target_only, target_flops * ahead, ahead)
+    record("drafter step", drafter_only, drafter_flops * per, per)
 
 
 def time_trainer(
@@ -159,6 +177,8 @@ def time_trainer(
     config, device = trainer.config, trainer.device
     target_flops, drafter_flops = step_flops(trainer)
     per_step, per_forward = config.optim.grad_accum, config.optim.rows_per_forward
+    ahead = isinstance(trainer.source, AheadTarget)
+    target_rows = config.target.forward_rows if ahead else per_forward
     total = trainer.plan.total_rows
     if total < max(4, per_step):
         raise ValueError(
@@ -168,7 +188,7 @@ def time_trainer(
         )
     # As many rows as timing asks for: the stream cycles over the run's rows.
     rows = trainer.stream.iterate((p % total for p in itertools.count()), config.data.prefetch)
-    sample_rows = [next(rows) for _ in range(max(4, per_forward))]
+    sample_rows = [next(rows) for _ in range(max(4, target_rows))]
     real_tokens = float(np.mean([r.tokens for r in sample_rows]))
     results: list[dict[str, Any]] = []
 
@@ -181,13 +201,20 @@ def time_trainer(
         )
 
     if parts:
-        _time_parts(trainer, sample_rows, lambda w, f, flops: record(w, f, flops, per_forward))
+        _time_parts(trainer, sample_rows, record)
+
+    # A call of `full` is one group of steps when the target runs ahead (its forward comes
+    # before the group's first step), else one step.
+    feeder = StepRows(trainer, rows)
+    steps = feeder.group_size()
+    full_rows = per_step * steps
 
     def full() -> None:
-        trainer.train_step([next(rows) for _ in range(per_step)], Interval())
+        for _ in range(steps):
+            trainer.train_step(feeder.take(), Interval())
 
     graphs = unique_graphs()
-    record("full online step", full, (target_flops + drafter_flops) * per_step, per_step)
+    record("full online step", full, (target_flops + drafter_flops) * full_rows, full_rows)
     results[-1]["recompiles_while_timed"] = unique_graphs() - graphs
     # As a run goes: no sync between steps (the median above syncs after each one).
     steady = measure_back_to_back(full, device, iters)
@@ -195,8 +222,8 @@ def time_trainer(
         dict(
             what=BACK_TO_BACK,
             row=config.data.row_tokens,
-            rows=per_step,
-            flops=(target_flops + drafter_flops) * per_step,
+            rows=full_rows,
+            flops=(target_flops + drafter_flops) * full_rows,
             s=steady.median_s,
         )
         | steady.as_dict()
@@ -204,18 +231,20 @@ def time_trainer(
     if without_overlap:
         # Rows the prefetching run has not touched, so both see fresh rows.
         start = min(100, total // 2)
-        inline = trainer.stream.iterate(
-            ((start + p) % total for p in itertools.count()), prefetch=0
+        inline = StepRows(
+            trainer,
+            trainer.stream.iterate(((start + p) % total for p in itertools.count()), prefetch=0),
         )
 
         def full_inline() -> None:
-            trainer.train_step([next(inline) for _ in range(per_step)], Interval())
+            for _ in range(steps):
+                trainer.train_step(inline.take(), Interval())
 
         record(
             "full online step (no overlap)",
             full_inline,
-            (target_flops + drafter_flops) * per_step,
-            per_step,
+            (target_flops + drafter_flops) * full_rows,
+            full_rows,
         )
     for r in results:
         r["tokens_per_s"] = round(real_tokens * r["rows"] / r["s"])
@@ -226,8 +255,8 @@ BACK_TO_BACK = "full online steps, back to back"
 
 
 def summarise(results: list[dict[str, Any]], peak: float) -> dict[str, Any]:
-    """Per-row TFLOP/s and MFU, the overhead ratio full / (target + drafter) x the step's
-    forwards, and the back-to-back steps' tokens/s (a run's steady state)."""
+    """Per-row TFLOP/s and MFU, the overhead ratio full / (target + drafter, each scaled to
+    the full step's rows), and the back-to-back steps' tokens/s (a run's steady state)."""
     for r in results:
         r["tflops"] = round(r["flops"] / r["s"] / 1e12, 2)
         r["mfu"] = round(r["flops"] / r["s"] / peak, 3)
@@ -235,9 +264,10 @@ def summarise(results: list[dict[str, Any]], peak: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if {"target forward", "drafter step", "full online step"} <= set(by):
         t, d, f = by["target forward"]["s"], by["drafter step"]["s"], by["full online step"]["s"]
-        forwards = by["full online step"]["rows"] / by["target forward"]["rows"]
+        rows = by["full online step"]["rows"]
+        parts = t * rows / by["target forward"]["rows"] + d * rows / by["drafter step"]["rows"]
         out = {
-            "overhead_ratio": round(f / ((t + d) * forwards), 3),
+            "overhead_ratio": round(f / parts, 3),
             "system_mfu": by["full online step"]["mfu"],
             "tokens_per_s": by["full online step"]["tokens_per_s"],
         }

@@ -54,6 +54,16 @@ class TargetSection:
         "its cold compile did not finish in 270 s on 8 H200-host cores; per layer 52 s)",
         tags=SAFE,
     )
+    forward_rows: int = option(
+        1,
+        ge=1,
+        help="colocated: rows of the coming steps the frozen target runs in one forward, ahead "
+        "of the drafter, which then steps through them as before (a small target's forward "
+        "is launch-bound: 8 rows cost little more than one); 1, or a multiple of "
+        "optim.grad_accum; a group never crosses a checkpoint, so a resumed run forms the same "
+        "groups",
+        tags=SAFE,
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)
@@ -274,6 +284,21 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         cfg.validate(self)
+        rows, accum = self.target.forward_rows, self.optim.grad_accum
+        if rows > 1 and self.parallel.placement == "split":
+            raise cfg.ConfigError(
+                "target.forward_rows",
+                rows,
+                "applies to the colocated placement (split: the target ranks already run "
+                "ahead, parallel.queue_depth rows); set it to 1",
+            )
+        if rows > 1 and rows % accum:
+            raise cfg.ConfigError(
+                "target.forward_rows",
+                rows,
+                f"must be a multiple of optim.grad_accum ({accum}): the target runs ahead over "
+                "whole steps",
+            )
         if self.optim.optimizer == "muon" and self.parallel.drafter_sharding == "fsdp":
             # Newton-Schulz needs each whole matrix; on FSDP2's shards it would need
             # collectives inside the optimizer that flashdraft's Muon does not have.

@@ -6,6 +6,7 @@ A feature source answers two questions for the trainer: the target's output for 
 with the drafter). Two implementations, chosen once by `open_feature_source`:
 
 * `LocalTarget` (colocated placement): this rank holds the target and runs it on the row;
+  `AheadTarget` with `target.forward_rows` > 1: it runs over the coming steps' rows at once;
 * `RemoteTarget` (split placement, drafter ranks): a target rank ran it
   (`flashdraft.train.server`) and sent the result; the head came once, at start.
 
@@ -15,6 +16,7 @@ k soft labels per position.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -121,6 +123,23 @@ def concat_outputs(outputs: list[TargetOutputs]) -> TargetOutputs:
     features = cat("features")
     assert features is not None
     return TargetOutputs(features, cat("next_tokens"), cat("soft_ids"), cat("soft_probs"))
+
+
+def split_outputs(out: TargetOutputs) -> list[TargetOutputs]:
+    """R rows' target outputs as R one-row outputs (views of the same tensors)."""
+
+    def row(t: Tensor | None, i: int) -> Tensor | None:
+        return None if t is None else t[i : i + 1]
+
+    return [
+        TargetOutputs(
+            out.features[i : i + 1],
+            row(out.next_tokens, i),
+            row(out.soft_ids, i),
+            row(out.soft_probs, i),
+        )
+        for i in range(out.features.shape[0])
+    ]
 
 
 def soft_label_width(loss: LossSection, vocab_size: int) -> int:
@@ -236,6 +255,41 @@ class LocalTarget:
         return target_outputs(self.target, rows, on_device, self.put, self.loss, self.block)
 
 
+class AheadTarget:
+    """Colocated placement with `target.forward_rows` = R > 1: the target runs over the rows
+    of the coming steps R at a time (`run_ahead`, called by the trainer before each group of
+    steps) and each row's outputs wait until the drafter's micro-batch asks for them. The
+    outputs are the target's own, so the run trains as with R = 1, up to the target's
+    rounding in a larger forward; the drafter's steps do not change."""
+
+    def __init__(self, local: LocalTarget, rows: int) -> None:
+        self.local, self.rows = local, rows
+        self.target, self.head = local.target, local.head
+        self.held: deque[tuple[Row, TargetOutputs]] = deque()
+
+    def run_ahead(self, rows: list[Row]) -> None:
+        """The target's outputs of `rows` (the coming steps' rows, in stream order)."""
+        if self.held:
+            raise RuntimeError(
+                f"the target ran ahead with {len(self.held)} row(s) of its last run unused"
+            )
+        for i in range(0, len(rows), self.rows):
+            group = rows[i : i + self.rows]
+            out = self.local.row_outputs(group, rows_on_device(group, self.local.put))
+            self.held.extend(zip(group, split_outputs(out), strict=True))
+
+    def row_outputs(self, rows: list[Row], on_device: RowOnDevice) -> TargetOutputs:
+        parts = []
+        for row in rows:
+            if not self.held or self.held[0][0] is not row:
+                raise RuntimeError(
+                    "the drafter asked for a row the target has not run ahead (the rows of a "
+                    "step must come from the trainer's group, in order)"
+                )
+            parts.append(self.held.popleft()[1])
+        return concat_outputs(parts)
+
+
 class RemoteTarget:
     """Split placement, drafter rank: outputs received from the feeding target rank, in row
     order (both sides walk the same positions of the same row stream)."""
@@ -298,7 +352,9 @@ def open_feature_source(plan: RunPlan, backend: Backend, target_model: Any = Non
     config, block = plan.config, plan.drafter_config.block_size
     if plan.placement.role != "drafter":
         target = load_run_target(plan, backend, target_model)
-        return LocalTarget(target, config.loss, block, plan.info.device)
+        local = LocalTarget(target, config.loss, block, plan.info.device)
+        rows = config.target.forward_rows
+        return AheadTarget(local, rows) if rows > 1 else local
     dtype = DTYPES[resolve_dtype(config.target.dtype, plan.info.device.type)]
     head = receive_target_head(plan, dtype)
     taps = plan.drafter_config.num_taps * plan.drafter_config.hidden_size

@@ -122,9 +122,12 @@ def estimate(
 ) -> MemoryEstimate:
     text = target_config.get_text_config()
     dtype_bytes = 4 if config.target.dtype == "float32" else 2
-    # What one forward holds: `optim.rows_per_forward` rows at once (their tokens, anchors).
+    # What one forward holds: `optim.rows_per_forward` rows at once (their tokens, anchors);
+    # the target's forward `target.forward_rows` rows when it runs ahead, their outputs held.
     rows = config.optim.rows_per_forward
+    target_rows = max(rows, config.target.forward_rows)
     t, h = config.data.row_tokens * rows, text.hidden_size
+    t_target = config.data.row_tokens * target_rows
     inter = text.intermediate_size
     q = config.loss.anchors * drafter.block_size * rows
     kv_dim = drafter.num_key_value_heads * drafter.head_dim
@@ -136,7 +139,7 @@ def estimate(
     # Soft labels: k int64 ids + k fp32 probabilities per trained slot of a row (the target's
     # top-k runs inside its label chunk).
     soft = config.loss.soft_top_k if config.loss.labels == "soft" else 0
-    slots = config.loss.anchors * (drafter.block_size - 1) * rows
+    slots = config.loss.anchors * (drafter.block_size - 1) * target_rows
     soft_labels = {"soft labels (top-k ids + fp32 probs)": float(slots * soft * (8 + 4))}
     # The target's labels (`TargetHead.labels_at`): a chunk of logits in the target dtype and
     # its scaled copy (softcap / multiplier), in the target forward only.
@@ -151,7 +154,7 @@ def estimate(
         "varlen",
     )
     row = config.data.row_tokens
-    mask = {"dense document mask [T, T] (sdpa)": float(rows * row * row * (1 + dtype_bytes))}
+    mask = {"dense document mask [T, T] (sdpa)": float(target_rows * row * row * (1 + dtype_bytes))}
     # Alive only in one phase of the step (module docstring); the rest is held throughout.
     phases = {
         "target activations": TARGET_PHASE,
@@ -163,9 +166,9 @@ def estimate(
     }
     terms = {
         "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
-        "target activations": t * per_token,
+        "target activations": t_target * per_token,
         **(target_labels if config.loss.labels != "data" else {}),
-        "taps + last hidden state": t * h * (drafter.num_taps + 1) * dtype_bytes,
+        "taps + last hidden state": t_target * h * (drafter.num_taps + 1) * dtype_bytes,
         "drafter weights+grads+AdamW (fp32)": drafter_params * 16.0,
         "drafter bf16 weight copies": drafter_params * 2.0,
         "drafter activations (A*B queries)": (
@@ -203,9 +206,9 @@ def check(
         raise ValueError(
             f"this run needs about {result.total / GB:.1f} GB per GPU{loaded} but "
             f"{free / GB:.1f} GB of {total / GB:.1f} GB are free:\n{result.table()}\n"
-            "to fit: lower optim.rows_per_forward, loss.anchors (drafter activations), "
-            "data.row_tokens (target "
-            "activations, context), loss.chunk_rows (LM head), drafter.num_layers; or shard the "
+            "to fit: lower optim.rows_per_forward, target.forward_rows, loss.anchors (drafter "
+            "activations), data.row_tokens (target activations, context), loss.chunk_rows (LM "
+            "head), drafter.num_layers; or shard the "
             "target (parallel.shard_target) / use parallel.placement = 'split'. "
             "Set preflight = false to try anyway."
         )

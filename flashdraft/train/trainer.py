@@ -4,7 +4,8 @@ Per optimizer step, on every drafter rank: G packed rows, each through the targe
 argmax labels at the anchor blocks only; `features`) and then through the drafter forward and
 backward; after G rows: clip, AdamW (fp32 master weights, bf16 compute on CUDA), LR schedule.
 The loss normaliser of the step, the global trained-slot weight (SPEC trap 10), is known from
-the CPU rows before any forward and is all-reduced once per step.
+the CPU rows before any forward and is all-reduced once per step. With `target.forward_rows`
+= R > 1 the target runs ahead over the rows of the next R / G steps at once (`StepRows`).
 
 `train` is the entry point of every rank: it plans the run (`plan`), then a target rank of
 the split placement serves the target (`server`) and a drafter rank runs `Trainer.fit`.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +38,12 @@ from flashdraft.model.target import decoder_layers
 from flashdraft.train import preflight
 from flashdraft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashdraft.train.config import RunConfig
-from flashdraft.train.features import device_put, draft_batch, open_feature_source
+from flashdraft.train.features import (
+    AheadTarget,
+    device_put,
+    draft_batch,
+    open_feature_source,
+)
 from flashdraft.train.loss import BlockStats, dpace_alpha_of, loss_slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import FiniteGuard, build_optimizer, members
@@ -69,6 +77,44 @@ class Interval:
     rows: int = 0
     empty: Tensor | None = None  # steps with nothing to train (their update skipped)
     started: float = field(default_factory=time.perf_counter)
+
+
+def group_steps(step: int, total: int, per_group: int, checkpoint_every: int) -> int:
+    """Steps in the group that starts at `step`: `per_group`, fewer before the last step or
+    the next checkpoint (a resumed run starts at a checkpoint, so it forms the same groups)."""
+    steps = min(per_group, total - step)
+    if checkpoint_every > 0:
+        steps = min(steps, checkpoint_every - step % checkpoint_every)
+    return steps
+
+
+class StepRows:
+    """The rows of each optimizer step, in stream order. With `target.forward_rows` = R > 1
+    (an `AheadTarget`) it takes the rows of the next R / G steps at once (`group_steps`) and
+    has the target run over them before the first of those steps."""
+
+    def __init__(self, trainer: Trainer, rows: Iterator[Row]) -> None:
+        self.trainer, self.rows = trainer, rows
+        config = trainer.config
+        self.accum, self.every = config.optim.grad_accum, config.checkpoint.every
+        self.per_group = max(1, config.target.forward_rows // self.accum)
+        self.upcoming: deque[Row] = deque()
+
+    def group_size(self) -> int:
+        """Steps of the group that starts at the trainer's step."""
+        trainer = self.trainer
+        return max(1, group_steps(trainer.step, trainer.total_steps, self.per_group, self.every))
+
+    def take(self) -> list[Row]:
+        if not self.upcoming:
+            trainer = self.trainer
+            group = [next(self.rows) for _ in range(self.group_size() * self.accum)]
+            if isinstance(trainer.source, AheadTarget):
+                t0 = trainer.stopwatch.mark()
+                trainer.source.run_ahead(group)
+                trainer.stopwatch.add(PHASES[0], t0, trainer.stopwatch.mark())
+            self.upcoming.extend(group)
+        return [self.upcoming.popleft() for _ in range(self.accum)]
 
 
 class Trainer:
@@ -423,9 +469,12 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         config = self.config
         progress = self._progress_bar()
-        rows = self.stream.iterate(
-            self.plan.positions(self.placement.dp_rank),
-            config.data.prefetch if config.parallel.overlap else 0,
+        rows = StepRows(
+            self,
+            self.stream.iterate(
+                self.plan.positions(self.placement.dp_rank),
+                config.data.prefetch if config.parallel.overlap else 0,
+            ),
         )
         interval, last_record = Interval(), {}
         # The first step compiles (drafter layers, and the target on CUDA): say so, it takes
@@ -442,7 +491,7 @@ class Trainer:
                 progress.set_description("train (compiling)")
                 progress.refresh()
         while self.step < self.total_steps:
-            step_rows = [next(rows) for _ in range(config.optim.grad_accum)]
+            step_rows = rows.take()
             for row in step_rows:  # what each rank consumed (FLASHDRAFT_TRACE; tests)
                 trace("row", step=self.step + 1, epoch=row.epoch, index=row.index)
             grad_norm = self.train_step(step_rows, interval)

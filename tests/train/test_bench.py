@@ -50,6 +50,27 @@ def test_bench_with_stacked_rows_counts_every_row(
     assert 0.5 * full["row"] < per_row <= 1.01 * full["row"]
 
 
+def test_bench_with_the_target_run_ahead_times_whole_groups(
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys
+) -> None:
+    """target.forward_rows = 4, one row a step: the target's part is one forward of 4 rows,
+    the drafter's one row, and a full step call is the group of 4 steps the target ran
+    ahead for (its forward comes before the group's first step)."""
+    settings = train_settings(
+        tmp_path / "unused", tiny_qwen3_dir, qwen_data, **{"target.forward_rows": 4}
+    )
+    assert cli.main(["bench", *settings, "--warmup", "0", "--iters", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["what"]: r["rows"] for r in result["results"]}
+    assert rows == {
+        "target forward": 4,
+        "drafter step": 1,
+        "full online step": 4,
+        "full online steps, back to back": 4,
+    }
+    assert result["overhead_ratio"] > 0
+
+
 def test_slowest_kernels_reads_dynamo_s_per_graph_top_kernels(monkeypatch) -> None:
     """Each compiled graph records its slowest Triton compiles as a JSON list of [name, us];
     the helper merges them over graphs (a kernel deduplicated across graphs counts once,

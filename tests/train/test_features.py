@@ -14,6 +14,7 @@ from flashdraft.model.head import TargetHead
 from flashdraft.model.target import TargetOutputs, decoder_layers
 from flashdraft.train.config import LossSection, load_run_config
 from flashdraft.train.features import (
+    AheadTarget,
     LocalTarget,
     RemoteTarget,
     device_put,
@@ -23,6 +24,7 @@ from flashdraft.train.features import (
     load_run_target,
     rows_on_device,
     soft_label_width,
+    split_outputs,
     target_outputs,
 )
 from flashdraft.train.parallel import DistInfo, _CompiledLayers
@@ -131,6 +133,41 @@ def test_rows_stacked_in_one_forward_equal_each_row_alone(
         if labels == "soft":
             assert both.soft is not None and alone.soft is not None
             assert torch.equal(both.soft[0][r], alone.soft[0][0])
+
+
+def test_the_target_run_ahead_hands_each_row_its_own_outputs_in_order(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """`target.forward_rows = 2`: the target runs over three rows two at a time; each row's
+    taps and soft labels are the ones of the row alone, handed over once, in stream order;
+    a row out of order, or a new run ahead before the last one is used, is refused."""
+    extra = {"loss.labels": '"soft"', "loss.soft_top_k": 4, "data.row_tokens": 96}
+    args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
+    config = load_run_config(None, args[1::2])
+    plan = plan_run(config, ONE, resume=False)
+    local = LocalTarget(
+        load_run_target(plan, "sdpa"), config.loss, plan.drafter_config.block_size, ONE.device
+    )
+    ahead = AheadTarget(local, 2)
+    rows = list(itertools.islice(plan.stream.iterate(iter([0, 1, 2]), prefetch=0), 3))
+    put = device_put(ONE.device)
+    ahead.run_ahead(rows)
+    assert [r for r, _ in ahead.held] == rows
+    with pytest.raises(RuntimeError, match="has not run ahead"):
+        draft_batch(ahead, [rows[1]], put)  # the next one is rows[0]
+    with pytest.raises(RuntimeError, match=r"3 row\(s\) of its last run unused"):
+        ahead.run_ahead(rows)
+    first = draft_batch(ahead, [rows[0]], put)
+    rest = draft_batch(ahead, rows[1:], put)  # two rows stacked for one drafter forward
+    assert not ahead.held
+    for batch, r, row in ((first, 0, rows[0]), (rest, 0, rows[1]), (rest, 1, rows[2])):
+        alone = draft_batch(local, [row], put)
+        torch.testing.assert_close(batch.target_hidden[r], alone.target_hidden[0])
+        assert torch.equal(batch.next_tokens[r], alone.next_tokens[0])
+        assert batch.soft is not None and alone.soft is not None
+        assert torch.equal(batch.soft[0][r], alone.soft[0][0])
+    parts = split_outputs(TargetOutputs(torch.zeros(3, 5, 2), None, None, None))
+    assert [p.features.shape for p in parts] == [(1, 5, 2)] * 3 and parts[1].next_tokens is None
 
 
 def test_soft_labels_wider_than_the_vocabulary_are_refused() -> None:

@@ -63,6 +63,14 @@ def test_each_term_follows_its_setting(setup) -> None:
         assert stacked[term] == pytest.approx(2 * base[term]), term
     assert stacked["target weights"] == base["target weights"]
     assert stacked["LM head chunk (fp32 logits x3)"] == base["LM head chunk (fp32 logits x3)"]
+    # The target running ahead over 8 rows: its own terms and the held taps grow 8x (of one
+    # row), the drafter's stay at its forward's 2 rows.
+    config.target.forward_rows = 8
+    ahead = preflight.estimate(config, drafter, target, 10**6).terms
+    for term in ("target activations", "taps + last hidden state"):
+        assert ahead[term] == pytest.approx(8 * base[term]), term
+    drafter_term = "drafter activations (A*B queries)"
+    assert ahead[drafter_term] == stacked[drafter_term]
 
 
 def test_on_the_cpu_nothing_is_refused(setup) -> None:

@@ -94,3 +94,15 @@ def test_muon_is_refused_on_fsdp_shards_with_the_reason() -> None:
         load_run_config(None, [*base, 'parallel.drafter_sharding="fsdp"'])
     with pytest.raises(cfg.ConfigError, match=r"optim\.optimizer"):
         load_run_config(None, ['optim.optimizer="sgd"', *base[:3]])
+
+
+def test_the_target_runs_ahead_over_whole_steps_and_only_colocated() -> None:
+    base = ["output=x", "target.path=t", 'data.datasets=["d"]']
+    config = load_run_config(None, [*base, "target.forward_rows=8", "optim.grad_accum=2"])
+    assert config.target.forward_rows == 8
+    assert "target.forward_rows" in resume_safe_keys()  # it does not change the training
+    assert load_run_config(None, [*base, "optim.grad_accum=3"]).target.forward_rows == 1
+    with pytest.raises(cfg.ConfigError, match=r"multiple of optim\.grad_accum \(4\)"):
+        load_run_config(None, [*base, "target.forward_rows=6", "optim.grad_accum=4"])
+    with pytest.raises(cfg.ConfigError, match="applies to the colocated placement"):
+        load_run_config(None, [*base, "target.forward_rows=2", 'parallel.placement="split"'])

@@ -56,19 +56,20 @@ def test_trains_end_to_end_on_a_tiny_qwen3_with_the_real_qwen3_tokenizer(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward_rows", [1, 3])
 def test_on_cuda_the_default_run_trains_with_varlen_attention(
-    tmp_path, tiny_qwen3_dir, qwen_data
+    tmp_path, tiny_qwen3_dir, qwen_data, forward_rows
 ) -> None:
     """`flashdraft train` on a GPU with nothing set about attention: the target loads with
     the varlen flash kernel (`default_attention`), its packed forward compiled, and the run
-    learns and exports as on the CPU."""
+    learns and exports as on the CPU; also with the target running ahead over 3 rows (its
+    compiled forward then sees 3 rows and, before each checkpoint every 8 steps, 2)."""
     from flashdraft.model.target import default_attention
 
     assert default_attention(str(tiny_qwen3_dir), "cuda") == "varlen"
     run = tmp_path / "run"
-    settings = train_settings(
-        run, tiny_qwen3_dir, qwen_data, **{"loss.labels": '"data"', "device": '"cuda"'}
-    )
+    extra = {"loss.labels": '"data"', "device": '"cuda"', "target.forward_rows": forward_rows}
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **extra)
     assert cli.main(["train", *settings]) == 0
     records = read_metrics(run)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
@@ -290,3 +291,62 @@ def cli_config(settings: list[str]):
 
     pairs = [settings[i + 1] for i in range(0, len(settings), 2) if settings[i] == "--set"]
     return cfg.build(RunConfig, cfg.apply_overrides({}, pairs))
+
+
+def test_the_target_runs_ahead_in_groups_that_end_at_each_checkpoint() -> None:
+    from flashdraft.train.trainer import group_steps
+
+    # 4 steps a group, checkpoints every 6, 13 steps: 4, 2 | 4, 2 | 1.
+    starts, step = [], 0
+    while step < 13:
+        starts.append((step, group_steps(step, 13, 4, 6)))
+        step += starts[-1][1]
+    assert starts == [(0, 4), (4, 2), (6, 4), (10, 2), (12, 1)]
+    assert group_steps(0, 13, 4, 0) == 4 and group_steps(12, 13, 4, 0) == 1  # no checkpoints
+    assert group_steps(5, 13, 1, 6) == 1  # one step a group: the run as without running ahead
+
+
+def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
+    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch
+) -> None:
+    """target.forward_rows = 2 with checkpoints every 3 steps: the target runs over groups
+    of 2, 1, 2, 1 steps' rows; a run stopped at its step-3 checkpoint and resumed forms the
+    same groups and ends bit for bit as the run in one go."""
+    from flashdraft.train.features import AheadTarget
+
+    groups: list[int] = []
+    run_ahead = AheadTarget.run_ahead
+
+    def recorded(self: AheadTarget, rows: list) -> None:
+        groups.append(len(rows))
+        run_ahead(self, rows)
+
+    monkeypatch.setattr(AheadTarget, "run_ahead", recorded)
+    extra = {
+        "loss.labels": '"data"',
+        "optim.max_steps": 6,
+        "checkpoint.every": 3,
+        "target.forward_rows": 2,
+        "log.every": 1,
+    }
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **extra)]) == 0
+    assert groups == [2, 1, 2, 1]
+    groups.clear()
+    first = train_settings(parts, tiny_qwen3_dir, qwen_data, **{**extra, "optim.max_steps": 3})
+    assert cli.main(["train", *first]) == 0
+    assert (
+        cli.main(["train", *train_settings(parts, tiny_qwen3_dir, qwen_data, **extra), "--resume"])
+        == 0
+    )
+    assert groups == [2, 1, 2, 1]
+
+    def curve(run) -> list[tuple]:
+        return [(r["step"], r["loss"], r["tau_hat"], r["grad_norm"]) for r in read_metrics(run)]
+
+    assert curve(parts) == curve(whole) and len(curve(whole)) == 6
+    final, expected = load_drafter(str(parts)), load_drafter(str(whole))
+    for (name, x), y in zip(
+        final.state_dict().items(), expected.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
