@@ -209,6 +209,8 @@ class Trainer:
         # What the modules are, not what was asked for: a sharding that did not happen shows.
         if isinstance(self.drafter.layers[0], FSDPModule):
             where += " (drafter sharded, FSDP2)"
+        if isinstance(self.source, AheadTarget):
+            where += f"; the target runs ahead, {self.source.rows} rows a forward"
         if self.target is not None and isinstance(decoder_layers(self.target.model)[0], FSDPModule):
             where += f"; target layers sharded over {self.info.world} ranks (FSDP2)"
         lines = [

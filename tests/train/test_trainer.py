@@ -307,7 +307,7 @@ def test_the_target_runs_ahead_in_groups_that_end_at_each_checkpoint() -> None:
 
 
 def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
-    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch
+    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, capsys
 ) -> None:
     """target.forward_rows = 2 with checkpoints every 3 steps: the target runs over groups
     of 2, 1, 2, 1 steps' rows; a run stopped at its step-3 checkpoint and resumed forms the
@@ -331,6 +331,7 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     }
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **extra)]) == 0
+    assert "the target runs ahead, 2 rows a forward" in capsys.readouterr().out
     assert groups == [2, 1, 2, 1]
     groups.clear()
     first = train_settings(parts, tiny_qwen3_dir, qwen_data, **{**extra, "optim.max_steps": 3})
