@@ -61,7 +61,7 @@ class TargetSection:
         "of the drafter, which then steps through them as before (a small target's forward "
         "is launch-bound: 8 rows cost little more than one); 1, or a multiple of "
         "optim.grad_accum; a group never crosses a checkpoint, so a resumed run forms the same "
-        "groups",
+        "groups; the loader builds at least R rows ahead (data.prefetch)",
         tags=SAFE,
     )
 

@@ -471,11 +471,13 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         config = self.config
         progress = self._progress_bar()
+        # The loader builds a whole group ahead of the target that runs ahead over it.
+        prefetch = max(config.data.prefetch, config.target.forward_rows)
         rows = StepRows(
             self,
             self.stream.iterate(
                 self.plan.positions(self.placement.dp_rank),
-                config.data.prefetch if config.parallel.overlap else 0,
+                prefetch if config.parallel.overlap else 0,
             ),
         )
         interval, last_record = Interval(), {}

@@ -322,16 +322,28 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
         run_ahead(self, rows)
 
     monkeypatch.setattr(AheadTarget, "run_ahead", recorded)
+    from flashdraft.train.packing import RowStream
+
+    prefetches: list[int] = []
+    iterate = RowStream.iterate
+
+    def iterate_recorded(self: RowStream, positions, prefetch: int):
+        prefetches.append(prefetch)
+        return iterate(self, positions, prefetch)
+
+    monkeypatch.setattr(RowStream, "iterate", iterate_recorded)
     extra = {
         "loss.labels": '"data"',
         "optim.max_steps": 6,
         "checkpoint.every": 3,
         "target.forward_rows": 2,
         "log.every": 1,
+        "data.prefetch": 1,  # the loader is asked for a whole group (2 rows) ahead
     }
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **extra)]) == 0
     assert "the target runs ahead, 2 rows a forward" in capsys.readouterr().out
+    assert prefetches == [2]
     assert groups == [2, 1, 2, 1]
     groups.clear()
     first = train_settings(parts, tiny_qwen3_dir, qwen_data, **{**extra, "optim.max_steps": 3})
