@@ -19,6 +19,9 @@
 #                                       #   eval loop, compiled target, varlen, label chunks)
 #   bash bench/fast_session.sh flex     # ~6 min: the 8-row step under five flex kernel_options
 #   bash bench/fast_session.sh train1p7b  # ~4-5 min: a 1.7B-shaped target (28 x 2048), cold
+#   bash bench/fast_session.sh ahead    # ~5 min: the shipped recipe's one-row steps (5 layers,
+#                                       #   Muon, soft labels; A = 512, and A = 2048 at MLP 704)
+#                                       #   with the target running ahead over R = 1, 4, 10 rows
 #   bash bench/fast_session.sh train8b  # optional third call, ~4 min: the Qwen3-8B-shaped step
 #                                       #   (must not regress: system MFU >= 60% at 8192 tokens)
 #
@@ -27,7 +30,7 @@
 # (/tmp/torchinductor_root) survives between calls, so only the first compile is cold; the
 # `train` stage's first step is the cold-compile measurement only if it runs first.
 set -u
-stage=${1:?decode|speed|train|train4|train8|tests|flex|train1p7b|train8b}
+stage=${1:?decode|speed|train|train4|train8|tests|flex|train1p7b|train8b|ahead}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -121,7 +124,23 @@ tests)
   run gpu_tests 300 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
     tests/data/test_fast_inference.py tests/eval/test_evaluate.py tests/model/test_varlen.py \
     tests/model/test_head.py tests/model/test_attention.py tests/model/test_drafter.py \
-    tests/train/test_parallel.py tests/train/test_features.py tests/train/test_loss.py
+    tests/train/test_parallel.py tests/train/test_features.py tests/train/test_loss.py \
+    tests/train/test_trainer.py
+  ;;
+ahead)
+  # target.forward_rows (2026-12-04, s23): the shipped recipe's steps (one 8192-token row a
+  # step; `ref6` at A = 512, `p704ft2` at A = 2048 and MLP 704), the target running ahead over
+  # R rows; the number is the back-to-back tokens/s against R = 1 (the recipe measured 68 ms
+  # a step at A = 512 in its real run that day). 4 and 10 divide checkpoint.every = 500.
+  for a in 512 2048; do
+    mlp=$([ "$a" = 2048 ] && echo 704 || echo 1536)
+    for r in 1 4 10; do
+      run "ahead_a${a}_r${r}" 150 python3 bench/trainer.py $SMOL --layers 5 --anchors "$a" \
+        --rows 8192 --skip-overlap-off --warmup 2 --iters 4 --set 'optim.optimizer="muon"' \
+        --set 'loss.labels="soft"' --set "drafter.intermediate_size=$mlp" \
+        --set "target.forward_rows=$r"
+    done
+  done
   ;;
 flex)
   # the drafter's flex_attention kernel_options at 8 rows per forward (s17 profile: the flex
