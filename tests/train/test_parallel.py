@@ -133,14 +133,21 @@ def test_fsdp_drafter_matches_one_process_and_exports_full_weights(
 def test_two_colocated_processes_match_one_and_resume_on_one(
     tmp_path, tiny_qwen3_dir, qwen_data, single
 ) -> None:
-    """Colocated, 2 replicas x 1 row: the same curve as one process. Checkpoints hold full
+    """Colocated, 2 replicas x 1 row, each replica's target running ahead over 2 steps' rows
+    (`target.forward_rows = 2`): the same curve as one process without. Checkpoints hold full
     state and a global row cursor: the run as it stood at its step-4 checkpoint resumes on 1
     process (2 rows per step, the same global batch) to the same curve. One torchrun launch
     serves both checks."""
     two = tmp_path / "colocated"
-    extra = {"optim.max_steps": 8, "optim.grad_accum": 1, "checkpoint.every": 4}
+    extra = {
+        "optim.max_steps": 8,
+        "optim.grad_accum": 1,
+        "checkpoint.every": 4,
+        "target.forward_rows": 2,
+    }
     out = _torchrun(2, _settings(two, tiny_qwen3_dir, qwen_data, **extra))
     assert "target layers sharded" not in out
+    assert "the target runs ahead, 2 rows a forward" in out
     _same_curve(read_metrics(two), single)
     assert (two / "export" / "model.safetensors").exists()
 
