@@ -350,7 +350,8 @@ def profile_steps(trainer: Trainer, steps: int = 3) -> None:
     rows = StepRows(trainer, trainer.stream.iterate(iter(range(10**9)), 2))
     for _ in range(rows.group_size()):  # a whole group: the profiled steps start the next one
         trainer.train_step(rows.take(), Interval())
-    steps = max(steps, rows.group_size())  # the target running ahead: a whole group at least
+    group = rows.group_size()
+    steps = -(-steps // group) * group  # the target running ahead: whole groups
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()

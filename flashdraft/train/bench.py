@@ -141,10 +141,10 @@ def _time_parts(
 
     def target_only() -> None:
         group = [rows[next(counter) % len(rows)] for _ in range(ahead)]
-        if ahead == per:
-            trainer.make_batch(group)
-        else:
+        if isinstance(source, AheadTarget):
             local.row_outputs(group, rows_on_device(group, local.put))
+        else:
+            trainer.make_batch(group)
 
     def drafter_only() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):

@@ -58,10 +58,10 @@ class TargetSection:
         1,
         ge=1,
         help="colocated: rows of the coming steps the frozen target runs in one forward, ahead "
-        "of the drafter, which then steps through them as before (a small target's forward "
-        "is launch-bound: 8 rows cost little more than one); 1, or a multiple of "
-        "optim.grad_accum; a group never crosses a checkpoint, so a resumed run forms the same "
-        "groups; the loader builds at least R rows ahead (data.prefetch)",
+        "of the drafter, which then steps through them as before (for a small target, whose "
+        "one-row forward is launch-bound); 1, or a multiple of optim.grad_accum; a group ends "
+        "at each checkpoint and eval, its last forward padded to R rows (one compiled shape); "
+        "with parallel.overlap the loader builds at least R rows ahead",
         tags=SAFE,
     )
 

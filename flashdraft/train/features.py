@@ -125,21 +125,18 @@ def concat_outputs(outputs: list[TargetOutputs]) -> TargetOutputs:
     return TargetOutputs(features, cat("next_tokens"), cat("soft_ids"), cat("soft_probs"))
 
 
-def split_outputs(out: TargetOutputs) -> list[TargetOutputs]:
-    """R rows' target outputs as R one-row outputs (views of the same tensors)."""
+def rows_of(out: TargetOutputs, start: int, stop: int) -> TargetOutputs:
+    """Rows [start, stop) of R rows' target outputs (views of the same tensors)."""
 
-    def row(t: Tensor | None, i: int) -> Tensor | None:
-        return None if t is None else t[i : i + 1]
+    def part(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[start:stop]
 
-    return [
-        TargetOutputs(
-            out.features[i : i + 1],
-            row(out.next_tokens, i),
-            row(out.soft_ids, i),
-            row(out.soft_probs, i),
-        )
-        for i in range(out.features.shape[0])
-    ]
+    return TargetOutputs(
+        out.features[start:stop],
+        part(out.next_tokens),
+        part(out.soft_ids),
+        part(out.soft_probs),
+    )
 
 
 def soft_label_width(loss: LossSection, vocab_size: int) -> int:
@@ -260,12 +257,15 @@ class AheadTarget:
     of the coming steps R at a time (`run_ahead`, called by the trainer before each group of
     steps) and each row's outputs wait until the drafter's micro-batch asks for them. The
     outputs are the target's own, so the run trains as with R = 1, up to the target's
-    rounding in a larger forward; the drafter's steps do not change."""
+    rounding in a larger forward; the drafter's steps do not change. A group's last forward
+    with fewer than R rows is padded to R with copies of its last row (their outputs
+    dropped): the compiled target sees one shape, never a second compile."""
 
     def __init__(self, local: LocalTarget, rows: int) -> None:
         self.local, self.rows = local, rows
         self.target, self.head = local.target, local.head
-        self.held: deque[tuple[Row, TargetOutputs]] = deque()
+        # Per row: the row, its forward's outputs, its index in them.
+        self.held: deque[tuple[Row, TargetOutputs, int]] = deque()
 
     def run_ahead(self, rows: list[Row]) -> None:
         """The target's outputs of `rows` (the coming steps' rows, in stream order)."""
@@ -275,19 +275,23 @@ class AheadTarget:
             )
         for i in range(0, len(rows), self.rows):
             group = rows[i : i + self.rows]
-            out = self.local.row_outputs(group, rows_on_device(group, self.local.put))
-            self.held.extend(zip(group, split_outputs(out), strict=True))
+            padded = group + [group[-1]] * (self.rows - len(group))
+            out = self.local.row_outputs(padded, rows_on_device(padded, self.local.put))
+            self.held.extend((row, out, r) for r, row in enumerate(group))
 
     def row_outputs(self, rows: list[Row], on_device: RowOnDevice) -> TargetOutputs:
-        parts = []
+        taken = []
         for row in rows:
             if not self.held or self.held[0][0] is not row:
                 raise RuntimeError(
                     "the drafter asked for a row the target has not run ahead (the rows of a "
                     "step must come from the trainer's group, in order)"
                 )
-            parts.append(self.held.popleft()[1])
-        return concat_outputs(parts)
+            taken.append(self.held.popleft())
+        _, out, start = taken[0]
+        if all(o is out and r == start + k for k, (_, o, r) in enumerate(taken)):
+            return rows_of(out, start, start + len(taken))  # consecutive rows: a view, no copy
+        return concat_outputs([rows_of(o, r, r + 1) for _, o, r in taken])
 
 
 class RemoteTarget:

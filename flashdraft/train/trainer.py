@@ -79,12 +79,15 @@ class Interval:
     started: float = field(default_factory=time.perf_counter)
 
 
-def group_steps(step: int, total: int, per_group: int, checkpoint_every: int) -> int:
+def group_steps(step: int, total: int, per_group: int, *every: int) -> int:
     """Steps in the group that starts at `step`: `per_group`, fewer before the last step or
-    the next checkpoint (a resumed run starts at a checkpoint, so it forms the same groups)."""
+    the next multiple of each of `every` (checkpoints, evals; 0: none). A run resumed at a
+    checkpoint with the same settings forms the same groups; nothing is held when a
+    checkpoint is written or an eval runs."""
     steps = min(per_group, total - step)
-    if checkpoint_every > 0:
-        steps = min(steps, checkpoint_every - step % checkpoint_every)
+    for interval in every:
+        if interval > 0:
+            steps = min(steps, interval - step % interval)
     return steps
 
 
@@ -96,14 +99,15 @@ class StepRows:
     def __init__(self, trainer: Trainer, rows: Iterator[Row]) -> None:
         self.trainer, self.rows = trainer, rows
         config = trainer.config
-        self.accum, self.every = config.optim.grad_accum, config.checkpoint.every
+        self.accum = config.optim.grad_accum
+        self.every = (config.checkpoint.every, config.eval.every if trainer.eval_on else 0)
         self.per_group = max(1, config.target.forward_rows // self.accum)
         self.upcoming: deque[Row] = deque()
 
     def group_size(self) -> int:
         """Steps of the group that starts at the trainer's step."""
         trainer = self.trainer
-        return max(1, group_steps(trainer.step, trainer.total_steps, self.per_group, self.every))
+        return max(1, group_steps(trainer.step, trainer.total_steps, self.per_group, *self.every))
 
     def take(self) -> list[Row]:
         if not self.upcoming:
@@ -472,7 +476,9 @@ class Trainer:
         config = self.config
         progress = self._progress_bar()
         # The loader builds a whole group ahead of the target that runs ahead over it.
-        prefetch = max(config.data.prefetch, config.target.forward_rows)
+        prefetch = config.data.prefetch
+        if config.target.forward_rows > 1:
+            prefetch = max(prefetch, config.target.forward_rows)
         rows = StepRows(
             self,
             self.stream.iterate(

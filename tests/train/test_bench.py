@@ -71,6 +71,18 @@ def test_bench_with_the_target_run_ahead_times_whole_groups(
     assert result["overhead_ratio"] > 0
 
 
+def test_bench_with_the_target_ahead_as_far_as_the_drafter_stacks(
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys
+) -> None:
+    """target.forward_rows = optim.rows_per_forward = grad_accum = 2: the target's part is
+    still its run ahead (it once went through the drafter's batch path and was refused)."""
+    extra = {"optim.grad_accum": 2, "optim.rows_per_forward": 2, "target.forward_rows": 2}
+    settings = train_settings(tmp_path / "unused", tiny_qwen3_dir, qwen_data, **extra)
+    assert cli.main(["bench", *settings, "--warmup", "0", "--iters", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {r["what"]: r["rows"] for r in result["results"]}["target forward"] == 2
+
+
 def test_slowest_kernels_reads_dynamo_s_per_graph_top_kernels(monkeypatch) -> None:
     """Each compiled graph records its slowest Triton compiles as a JSON list of [name, us];
     the helper merges them over graphs (a kernel deduplicated across graphs counts once,

@@ -22,9 +22,9 @@ from flashdraft.train.features import (
     head_from_payload,
     head_payload,
     load_run_target,
+    rows_of,
     rows_on_device,
     soft_label_width,
-    split_outputs,
     target_outputs,
 )
 from flashdraft.train.parallel import DistInfo, _CompiledLayers
@@ -136,11 +136,12 @@ def test_rows_stacked_in_one_forward_equal_each_row_alone(
 
 
 def test_the_target_run_ahead_hands_each_row_its_own_outputs_in_order(
-    tmp_path, tiny_qwen3_dir, qwen_data
+    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch
 ) -> None:
-    """`target.forward_rows = 2`: the target runs over three rows two at a time; each row's
-    taps and soft labels are the ones of the row alone, handed over once, in stream order;
-    a row out of order, or a new run ahead before the last one is used, is refused."""
+    """`target.forward_rows = 2`: the target runs over three rows two at a time, the last
+    forward padded to two rows (one compiled shape); each row's taps and soft labels are the
+    ones of the row alone, handed over once, in stream order; a row out of order, or a new
+    run ahead before the last one is used, is refused."""
     extra = {"loss.labels": '"soft"', "loss.soft_top_k": 4, "data.row_tokens": 96}
     args = train_settings(tmp_path, tiny_qwen3_dir, qwen_data, **extra)
     config = load_run_config(None, args[1::2])
@@ -149,25 +150,40 @@ def test_the_target_run_ahead_hands_each_row_its_own_outputs_in_order(
         load_run_target(plan, "sdpa"), config.loss, plan.drafter_config.block_size, ONE.device
     )
     ahead = AheadTarget(local, 2)
+    forwards: list[int] = []
+    real = local.row_outputs
+
+    def counted(rows, on_device):
+        forwards.append(len(rows))
+        return real(rows, on_device)
+
+    monkeypatch.setattr(local, "row_outputs", counted)
     rows = list(itertools.islice(plan.stream.iterate(iter([0, 1, 2]), prefetch=0), 3))
     put = device_put(ONE.device)
     ahead.run_ahead(rows)
-    assert [r for r, _ in ahead.held] == rows
+    assert forwards == [2, 2]  # the second: rows[2] and a copy of it
+    assert [r for r, _, _ in ahead.held] == rows
     with pytest.raises(RuntimeError, match="has not run ahead"):
         draft_batch(ahead, [rows[1]], put)  # the next one is rows[0]
     with pytest.raises(RuntimeError, match=r"3 row\(s\) of its last run unused"):
         ahead.run_ahead(rows)
     first = draft_batch(ahead, [rows[0]], put)
-    rest = draft_batch(ahead, rows[1:], put)  # two rows stacked for one drafter forward
+    rest = draft_batch(ahead, rows[1:], put)  # two rows of two forwards, stacked
     assert not ahead.held
-    for batch, r, row in ((first, 0, rows[0]), (rest, 0, rows[1]), (rest, 1, rows[2])):
+    ahead.run_ahead(rows[:2])
+    both = draft_batch(ahead, rows[:2], put)  # two rows of one forward: a view of it
+    pairs = [(first, 0, rows[0]), (rest, 0, rows[1]), (rest, 1, rows[2])]
+    pairs += [(both, 0, rows[0]), (both, 1, rows[1])]
+    for batch, r, row in pairs:
         alone = draft_batch(local, [row], put)
         torch.testing.assert_close(batch.target_hidden[r], alone.target_hidden[0])
         assert torch.equal(batch.next_tokens[r], alone.next_tokens[0])
         assert batch.soft is not None and alone.soft is not None
         assert torch.equal(batch.soft[0][r], alone.soft[0][0])
-    parts = split_outputs(TargetOutputs(torch.zeros(3, 5, 2), None, None, None))
-    assert [p.features.shape for p in parts] == [(1, 5, 2)] * 3 and parts[1].next_tokens is None
+    out = TargetOutputs(torch.arange(30.0).reshape(3, 5, 2), None, None, None)
+    part = rows_of(out, 1, 3)
+    assert torch.equal(part.features, out.features[1:3]) and part.next_tokens is None
+    assert part.features.data_ptr() == out.features[1].data_ptr()  # a view
 
 
 def test_soft_labels_wider_than_the_vocabulary_are_refused() -> None:

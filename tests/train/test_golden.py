@@ -135,13 +135,26 @@ def test_two_rows_in_one_forward_follow_the_same_curve(tmp_path, tiny_qwen3_dir,
         assert got == pytest.approx(want, rel=1e-3, abs=1e-4)
 
 
-def test_the_target_run_ahead_follows_the_same_curve(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
+def test_the_target_run_ahead_follows_the_same_curve(
+    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch
+) -> None:
     """`target.forward_rows = 6` with 2 rows a step: the target runs over 3 steps' rows at a
     time (the last group of the 20 steps has 2); the drafter's steps are the same, so the run
     follows the pinned curve (to float rounding: the target's kernels see 6 rows at once)."""
+    from flashdraft.train.features import AheadTarget
+
+    groups: list[int] = []
+    run_ahead = AheadTarget.run_ahead
+
+    def recorded(self: AheadTarget, rows: list) -> None:
+        groups.append(len(rows))
+        run_ahead(self, rows)
+
+    monkeypatch.setattr(AheadTarget, "run_ahead", recorded)
     run = tmp_path / "run"
     settings = [*_settings(run, tiny_qwen3_dir, qwen_data), "--set", "target.forward_rows=6"]
     assert cli.main(["train", *settings]) == 0
+    assert groups == [6] * 6 + [4]
     values, _ = observed(run)
     assert [r["rows"] for r in read_metrics(run)] == [2] * STEPS
     for got, want in zip(values, GOLDEN, strict=True):

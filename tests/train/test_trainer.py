@@ -304,14 +304,18 @@ def test_the_target_runs_ahead_in_groups_that_end_at_each_checkpoint() -> None:
     assert starts == [(0, 4), (4, 2), (6, 4), (10, 2), (12, 1)]
     assert group_steps(0, 13, 4, 0) == 4 and group_steps(12, 13, 4, 0) == 1  # no checkpoints
     assert group_steps(5, 13, 1, 6) == 1  # one step a group: the run as without running ahead
+    assert group_steps(0, 13, 4, 6, 3) == 3 and group_steps(3, 13, 4, 6, 3) == 3  # and evals
+    assert group_steps(4, 13, 4, 6, 0) == 2  # evals off
 
 
 def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, capsys
 ) -> None:
-    """target.forward_rows = 2 with checkpoints every 3 steps: the target runs over groups
-    of 2, 1, 2, 1 steps' rows; a run stopped at its step-3 checkpoint and resumed forms the
-    same groups and ends bit for bit as the run in one go."""
+    """target.forward_rows = 2 with checkpoints every 3 steps, soft labels (the held outputs
+    are taps, hard and soft labels): the target runs over groups of 2, 1 (padded to 2), 2, 1
+    steps' rows; a run stopped at its step-3 checkpoint and resumed forms the same groups and
+    ends bit for bit as the run in one go, and both follow the run without running ahead (to
+    float rounding)."""
     from flashdraft.train.features import AheadTarget
 
     groups: list[int] = []
@@ -333,7 +337,8 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
 
     monkeypatch.setattr(RowStream, "iterate", iterate_recorded)
     extra = {
-        "loss.labels": '"data"',
+        "loss.labels": '"soft"',
+        "loss.soft_top_k": 4,
         "optim.max_steps": 6,
         "checkpoint.every": 3,
         "target.forward_rows": 2,
@@ -358,6 +363,13 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
         return [(r["step"], r["loss"], r["tau_hat"], r["grad_norm"]) for r in read_metrics(run)]
 
     assert curve(parts) == curve(whole) and len(curve(whole)) == 6
+    plain = tmp_path / "plain"
+    one_row = {**extra, "target.forward_rows": 1}
+    assert cli.main(["train", *train_settings(plain, tiny_qwen3_dir, qwen_data, **one_row)]) == 0
+    assert groups == [2, 1, 2, 1]  # it never ran ahead
+    assert prefetches[-1] == 1  # nor was the loader asked for more
+    for got, want in zip(curve(whole), curve(plain), strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
     final, expected = load_drafter(str(parts)), load_drafter(str(whole))
     for (name, x), y in zip(
         final.state_dict().items(), expected.state_dict().values(), strict=True
