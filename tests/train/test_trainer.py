@@ -62,8 +62,9 @@ def test_on_cuda_the_default_run_trains_with_varlen_attention(
 ) -> None:
     """`flashdraft train` on a GPU with nothing set about attention: the target loads with
     the varlen flash kernel (`default_attention`), its packed forward compiled, and the run
-    learns and exports as on the CPU; also with the target running ahead over 3 rows (its
-    compiled forward then sees 3 rows and, before each checkpoint every 8 steps, 2)."""
+    learns and exports as on the CPU; also with the target running ahead over 3 rows (the
+    group before each checkpoint, every 8 steps, has 2 rows, padded to 3: one compiled
+    shape)."""
     from flashdraft.model.target import default_attention
 
     assert default_attention(str(tiny_qwen3_dir), "cuda") == "varlen"
