@@ -571,7 +571,7 @@ class Pipeline:
             target=self.target,
             max_new_tokens=8 if c.smoke else 128,
         )
-        self.save_marker(name, settings, **result)
+        self.save_marker(name, settings, source_run=c.prune_from, **result)
 
     def train(self) -> bool:
         """True when the run is finished (its export written); False at the deadline."""

@@ -78,7 +78,16 @@ def collect(out: Path, run: str) -> dict[str, Any]:
             p.stem.removeprefix("generate-"): read(p)
             for p in sorted(stages.glob("generate-*.json"))
         }
+    # A run started from another run's pruned export (--prune-from): that run's training
+    # is part of the recipe's time.
+    prune = read(stages / f"prune-{run}.json")
+    source = None
+    if prune is not None:
+        source = prune.get("source_run") or Path(str(prune.get("drafter", ""))).parent.name
     return {
+        "prune": prune,
+        "source": source,
+        "source_train": read(stages / f"train-{source}.json") if source else None,
         "split": read(out / "prompts" / "split.json"),
         "generated": generated,
         "prepared": read(out / data / "manifest.json"),
@@ -176,6 +185,26 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _recipe_lines(summary: dict[str, Any]) -> list[str]:
+    """For a run started from another run's pruned export: that run's and the prune's time,
+    and the whole recipe's."""
+    prune, source = summary.get("prune"), summary.get("source")
+    if not prune or not source:
+        return []
+    own = float((summary["train"] or {}).get("seconds", 0.0))
+    before = summary.get("source_train") or {}
+    earlier = float(before.get("seconds", 0.0))
+    cut = float(prune.get("seconds", 0.0))
+    total = own + earlier + cut
+    status = "" if before.get("finished") else " (NOT finished)"
+    return [
+        f"Started from `{source}`'s export with its MLPs pruned to {prune.get('width')} "
+        f"neurons ({cut:.0f} s); `{source}` took {earlier:.0f} s of `flashdraft train`"
+        f"{status}: the whole recipe {total:.0f} s ({total / 60:.1f} min) of training and "
+        "pruning.  "
+    ]
+
+
 def _training_lines(summary: dict[str, Any]) -> list[str]:
     metrics, train = summary["metrics"], summary["train"] or {}
     if not metrics:
@@ -190,6 +219,7 @@ def _training_lines(summary: dict[str, Any]) -> list[str]:
         f"{train.get('seconds', 0.0):.0f} s of `flashdraft train` over all calls (start-up and "
         f"compilation included); last logged loss {last['loss']:.3f}, tau_hat "
         f"{last['tau_hat']:.2f}.  ",
+        *_recipe_lines(summary),
         f"In-training eval tau (held-out chat and HumanEval prompts, alternating) by training "
         f"tokens: {curve}.",
         "",

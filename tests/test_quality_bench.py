@@ -115,6 +115,34 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert len(estimates) == 10 and estimates[2] == (245760, 1.3)  # the resumed step 30 wins
 
 
+def test_a_pruned_run_s_report_counts_the_whole_recipe_s_time(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    """A run trained from another run's pruned export (--prune-from): its report adds that
+    run's training and the prune to its own, the whole recipe's time; a marker written
+    before `source_run` was recorded names the source by its export's folder."""
+    out = tmp_path / "out"
+    _synthetic_run(out)
+    stages = out / "stages"
+    prune = {"settings": {"width": 704}, "width": 704, "seconds": 101.0, "source_run": "wide"}
+    (stages / "prune-r.json").write_text(json.dumps(prune))
+    (stages / "train-wide.json").write_text(json.dumps({"finished": True, "seconds": 1031.0}))
+    env = {"date": "2026-12-04", "commit": "x", "torch": "2", "transformers": "5",
+           "python": "3.11", "gpu": "NVIDIA H200"}  # fmt: skip
+    text = report.render(report.collect(out, "r"), env, "cmd")
+    assert (
+        "Started from `wide`'s export with its MLPs pruned to 704 neurons (101 s); `wide` took "
+        "1031 s of `flashdraft train`: the whole recipe 1744 s (29.1 min)" in text
+    )
+    del prune["source_run"]
+    prune["drafter"] = "/tmp/q/runs/old/export"
+    (stages / "prune-r.json").write_text(json.dumps(prune))
+    text = report.render(report.collect(out, "r"), env, "cmd")
+    assert "`old` took 0 s of `flashdraft train` (NOT finished)" in text
+    (stages / "prune-r.json").unlink()
+    assert "Started from" not in report.render(report.collect(out, "r"), env, "cmd")
+
+
 def test_a_report_before_anything_ran_says_so(report: ModuleType, tmp_path: Path) -> None:
     env = {"date": "2026-12-01", "commit": "x", "torch": "2", "transformers": "5",
            "python": "3.11", "cpu": "x86_64", "threads": 2}  # fmt: skip
@@ -678,6 +706,8 @@ def test_a_pruned_start_is_made_once_and_trained_from(
     monkeypatch.setattr(prune_mlp, "prune_export", fake_prune)
     pipeline.prune()
     pipeline.prune()  # the marker matches: not again
+    marker = json.loads((out / "stages" / "prune-narrow.json").read_text())
+    assert marker["source_run"] == "wide"  # the report adds its training time to the run's
     ((source, width, output, kwargs),) = calls
     assert (source, width, output) == (
         str(out / "runs/wide/export"),
