@@ -135,10 +135,12 @@ ahead)
   for a in 512 2048; do
     mlp=$([ "$a" = 2048 ] && echo 704 || echo 1536)
     for r in 1 4 10; do
+      # a profile at A = 512 for R = 1 and 10: how busy the GPU is, and what is left
+      profile=$([ "$a" = 512 ] && [ "$r" != 4 ] && echo --profile)
       run "ahead_a${a}_r${r}" 150 python3 bench/trainer.py $SMOL --layers 5 --anchors "$a" \
         --rows 8192 --skip-overlap-off --warmup 2 --iters 4 --set 'optim.optimizer="muon"' \
         --set 'loss.labels="soft"' --set "drafter.intermediate_size=$mlp" \
-        --set "target.forward_rows=$r"
+        --set "target.forward_rows=$r" $profile
     done
   done
   ;;
