@@ -326,7 +326,8 @@ def first_step(args: argparse.Namespace, device: torch.device) -> int:
         "bench": "trainer-first-step",
         "build_s": round(built, 1),
         "first_step_s": round(times[0], 1),
-        "second_step_s": round(times[1], 3),
+        "second_step_s": round(times[1], 3),  # the drafter's alone when the target ran ahead
+        "target_forward_rows": trainer.config.target.forward_rows,
         "first_two_target_s": round(target, 1),
         "first_two_drafter_s": round(drafter, 1),
         "graphs": unique_graphs(),

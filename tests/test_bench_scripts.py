@@ -64,6 +64,7 @@ def test_the_trainer_bench_runs_the_target_ahead() -> None:
         .splitlines()[-1]
     )
     assert result["first_step_s"] >= 0 and result["second_step_s"] > 0
+    assert result["target_forward_rows"] == 4
 
 
 def test_the_prefill_profile_runs_on_cpu() -> None:
