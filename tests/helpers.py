@@ -266,3 +266,32 @@ def bench_modules(*names: str) -> dict[str, ModuleType]:
         return {name: importlib.import_module(name) for name in names}
     finally:
         sys.path.remove(bench)
+
+
+def record_run_ahead(monkeypatch: object) -> list[int]:
+    """The row count of every `AheadTarget.run_ahead` call (the target's groups), in order."""
+    from flashdraft.train.features import AheadTarget
+
+    groups: list[int] = []
+    run_ahead = AheadTarget.run_ahead
+
+    def recorded(self: AheadTarget, rows: list) -> None:
+        groups.append(len(rows))
+        run_ahead(self, rows)
+
+    monkeypatch.setattr(AheadTarget, "run_ahead", recorded)  # type: ignore[attr-defined]
+    return groups
+
+
+BENCH_PARTS = (
+    "target forward",
+    "drafter step",
+    "full online step",
+    "full online steps, back to back",
+)
+
+
+def rows_by_part(result: dict) -> tuple[int, ...]:
+    """A bench result's rows of each timed part, in `BENCH_PARTS` order (a part it lacks: 0)."""
+    rows = {r["what"]: r["rows"] for r in result["results"]}
+    return tuple(rows.get(part, 0) for part in BENCH_PARTS)

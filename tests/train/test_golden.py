@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_metrics, train_settings
+from helpers import read_metrics, record_run_ahead, train_settings
 
 from flashdraft import cli
 
@@ -141,16 +141,7 @@ def test_the_target_run_ahead_follows_the_same_curve(
     """`target.forward_rows = 6` with 2 rows a step: the target runs over 3 steps' rows at a
     time (the last group of the 20 steps has 2); the drafter's steps are the same, so the run
     follows the pinned curve (to float rounding: the target's kernels see 6 rows at once)."""
-    from flashdraft.train.features import AheadTarget
-
-    groups: list[int] = []
-    run_ahead = AheadTarget.run_ahead
-
-    def recorded(self: AheadTarget, rows: list) -> None:
-        groups.append(len(rows))
-        run_ahead(self, rows)
-
-    monkeypatch.setattr(AheadTarget, "run_ahead", recorded)
+    groups = record_run_ahead(monkeypatch)
     run = tmp_path / "run"
     settings = [*_settings(run, tiny_qwen3_dir, qwen_data), "--set", "target.forward_rows=6"]
     assert cli.main(["train", *settings]) == 0

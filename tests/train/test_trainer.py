@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import read_metrics, train_settings
+from helpers import read_metrics, record_run_ahead, train_settings
 
 from flashdraft import cli
 from flashdraft.train.checkpoint import complete_checkpoints, load_drafter
@@ -317,16 +317,7 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     steps' rows; a run stopped at its step-3 checkpoint and resumed forms the same groups and
     ends bit for bit as the run in one go, and both follow the run without running ahead (to
     float rounding)."""
-    from flashdraft.train.features import AheadTarget
-
-    groups: list[int] = []
-    run_ahead = AheadTarget.run_ahead
-
-    def recorded(self: AheadTarget, rows: list) -> None:
-        groups.append(len(rows))
-        run_ahead(self, rows)
-
-    monkeypatch.setattr(AheadTarget, "run_ahead", recorded)
+    groups = record_run_ahead(monkeypatch)
     from flashdraft.train.packing import RowStream
 
     prefetches: list[int] = []
