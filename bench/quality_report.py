@@ -158,8 +158,11 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
     ]
     trained = {k: r for k, r in summary["trained"].items() if r is not None}
     if trained:
+        # A kind evaluated on trained prompts only (its held-out eval not run): no ratio.
         fit = ", ".join(
-            f"{k} {r['tau']:.2f} / {evals[k]['tau']:.2f}" for k, r in trained.items() if k in evals
+            f"{k} {r['tau']:.2f} / "
+            + (f"{evals[k]['tau']:.2f}" if k in evals else "held-out not measured")
+            for k, r in trained.items()
         )
         lines += [
             f"Fit check, tau on prompts the drafter trained on / held-out (T = 0): {fit}. Far "

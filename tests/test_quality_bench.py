@@ -102,6 +102,11 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert "`flashdraft eval` tau (bf16 eval) | chat 0.960" in text  # an older report's parity
     assert "| T = 1, rejection sampling: tau | chat 1.400 | reported |" in text
     assert "trained on / held-out (T = 0): chat 4.60 / 2.50." in text
+    # a kind evaluated on trained prompts alone (its held-out eval not run) still shows
+    summary["trained"]["code"] = _eval_report(4.4, [0.7])
+    assert "chat 4.60 / 2.50, code 4.40 / held-out not measured." in report.render(
+        summary, env, "cmd"
+    )
     assert "| chat | 0.60 | 0.40 | 0.20 |" in text and "7/8 +1 ties" in text
     assert "100 steps, 0.8M packed-row tokens, 612 s" in text
     assert "0.4M: 1.50, 0.8M: 2.25" in text  # the eval curve by cumulative tokens
