@@ -130,10 +130,9 @@ def _time_parts(
     in the full step's peak memory)."""
     device, config = trainer.device, trainer.config
     per = config.optim.rows_per_forward
-    source = trainer.source
+    source, ahead = trainer.source, config.target_rows
     local = source.local if isinstance(source, AheadTarget) else source
     assert isinstance(local, LocalTarget), "bench needs the target on this rank (colocated)"
-    ahead = config.target.forward_rows if isinstance(source, AheadTarget) else per
     batch = draft_batch(local, rows[:per], device_put(device))
     counter = iter(range(10**9))
     queries = config.loss.anchors * trainer.block * per
@@ -176,9 +175,7 @@ def time_trainer(
     tokens."""
     config, device = trainer.config, trainer.device
     target_flops, drafter_flops = step_flops(trainer)
-    per_step, per_forward = config.optim.grad_accum, config.optim.rows_per_forward
-    ahead = isinstance(trainer.source, AheadTarget)
-    target_rows = config.target.forward_rows if ahead else per_forward
+    per_step = config.optim.grad_accum
     total = trainer.plan.total_rows
     if total < max(4, per_step):
         raise ValueError(
@@ -188,7 +185,7 @@ def time_trainer(
         )
     # As many rows as timing asks for: the stream cycles over the run's rows.
     rows = trainer.stream.iterate((p % total for p in itertools.count()), config.data.prefetch)
-    sample_rows = [next(rows) for _ in range(max(4, target_rows))]
+    sample_rows = [next(rows) for _ in range(max(4, config.target_rows))]
     real_tokens = float(np.mean([r.tokens for r in sample_rows]))
     results: list[dict[str, Any]] = []
 

@@ -309,6 +309,12 @@ class RunConfig:
                 "weight matrices): use 'ddp' or optim.optimizer = 'adamw'",
             )
 
+    @property
+    def target_rows(self) -> int:
+        """Rows in one forward of the target: `target.forward_rows` when it runs ahead, else
+        the drafter's `optim.rows_per_forward` (which it then shares)."""
+        return max(self.optim.rows_per_forward, self.target.forward_rows)
+
     def to_dict(self) -> dict[str, Any]:
         return cfg.to_dict(self)
 

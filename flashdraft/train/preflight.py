@@ -125,7 +125,7 @@ def estimate(
     # What one forward holds: `optim.rows_per_forward` rows at once (their tokens, anchors);
     # the target's forward `target.forward_rows` rows when it runs ahead, their outputs held.
     rows = config.optim.rows_per_forward
-    target_rows = max(rows, config.target.forward_rows)
+    target_rows = config.target_rows
     t, h = config.data.row_tokens * rows, text.hidden_size
     t_target = config.data.row_tokens * target_rows
     inter = text.intermediate_size

@@ -102,6 +102,7 @@ class StepRows:
         self.accum = config.optim.grad_accum
         self.every = (config.checkpoint.every, config.eval.every if trainer.eval_on else 0)
         self.per_group = max(1, config.target.forward_rows // self.accum)
+        self.ahead = trainer.source if isinstance(trainer.source, AheadTarget) else None
         self.upcoming: deque[Row] = deque()
 
     def group_size(self) -> int:
@@ -113,9 +114,9 @@ class StepRows:
         if not self.upcoming:
             trainer = self.trainer
             group = [next(self.rows) for _ in range(self.group_size() * self.accum)]
-            if isinstance(trainer.source, AheadTarget):
+            if self.ahead is not None:
                 t0 = trainer.stopwatch.mark()
-                trainer.source.run_ahead(group)
+                self.ahead.run_ahead(group)
                 trainer.stopwatch.add(PHASES[0], t0, trainer.stopwatch.mark())
             self.upcoming.extend(group)
         return [self.upcoming.popleft() for _ in range(self.accum)]

@@ -102,6 +102,9 @@ def test_the_target_runs_ahead_over_whole_steps_and_only_colocated() -> None:
     assert config.target.forward_rows == 8
     assert "target.forward_rows" in resume_safe_keys()  # it does not change the training
     assert load_run_config(None, [*base, "optim.grad_accum=3"]).target.forward_rows == 1
+    assert config.target_rows == 8  # what one target forward holds (preflight, bench)
+    stacked = [*base, "optim.grad_accum=4", "optim.rows_per_forward=2"]
+    assert load_run_config(None, stacked).target_rows == 2  # the drafter's forward, shared
     with pytest.raises(cfg.ConfigError, match=r"multiple of optim\.grad_accum \(4\)"):
         load_run_config(None, [*base, "target.forward_rows=6", "optim.grad_accum=4"])
     with pytest.raises(cfg.ConfigError, match="applies to the colocated placement"):
