@@ -132,9 +132,12 @@ ahead)
   # step; `ref6` at A = 512, `p704ft2` at A = 2048 and MLP 704), the target running ahead over
   # R rows; the number is the back-to-back tokens/s against R = 1 (the recipe measured 68 ms
   # a step at A = 512 in its real run that day). 4 and 10 divide checkpoint.every = 500.
-  for a in 512 2048; do
+  # AHEAD_A / AHEAD_R / AHEAD_CHUNKS=0 narrow it (e.g. AHEAD_A=2048 AHEAD_R="1 10"
+  # AHEAD_CHUNKS=0: a training run's own shapes only, which also warms its compile cache when
+  # TORCHINDUCTOR_CACHE_DIR is the run's)
+  for a in ${AHEAD_A:-512 2048}; do
     mlp=$([ "$a" = 2048 ] && echo 704 || echo 1536)
-    for r in 1 4 10; do
+    for r in ${AHEAD_R:-1 4 10}; do
       # a profile at A = 512 for R = 1 and 10: how busy the GPU is, and what is left
       profile=$([ "$a" = 512 ] && [ "$r" != 4 ] && echo --profile)
       run "ahead_a${a}_r${r}" 150 python3 bench/trainer.py $SMOL --layers 5 --anchors "$a" \
@@ -145,6 +148,7 @@ ahead)
   done
   # the LM-head chunks at A = 2048: 30,720 trained slots a row go through 15 chunks of 2,048
   # rows; 4 of 8,192 (4.8 GB of fp32 logits, the same sums in another order) launch less
+  [ "${AHEAD_CHUNKS:-1}" = 0 ] && exit 0
   run ahead_a2048_r10_c8192 150 python3 bench/trainer.py $SMOL --layers 5 --anchors 2048 \
     --rows 8192 --skip-overlap-off --warmup 2 --iters 4 --chunk-rows 8192 \
     --set 'optim.optimizer="muon"' --set 'loss.labels="soft"' \
