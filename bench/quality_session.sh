@@ -153,6 +153,18 @@
 # the one before is complete; the same call again goes on):
 #   MULTI_SEQUENCE=1 EXPORT_RUNS=p704ft2 ABLATIONS="ref6 loss.anchors=512 eval.every=0
 #   --eval-kinds=chat;p704ft2 --prune-from=ref6 optim.epochs=2 eval.every=0" multi
+# (since s24 the preset's MLP is 704: `ref6` also needs drafter.intermediate_size=1536)
+#
+# 2026-12-04, twenty-fourth session (benchmarks/quality_h200_20261204_s24.md): the shipped
+# drafter is now the preset's own one-stage run, 1,324 device-seconds from a fresh machine
+# with no compile cache. Call 1 (carry .whl/min .qcarry .gguf/partaa): `one`, then
+# TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache AHEAD_A=2048 AHEAD_R="1 10" AHEAD_CHUNKS=0
+# bash bench/fast_session.sh ahead (the run's own shapes: measures target.forward_rows and
+# warms the run's compile cache; the run's first step then took 13.8 s). Call 2 (carry
+# .gguf/partab): TWO_STAGES=prepare two + MULTI_BUDGET=555 MULTI_MIN=60 EXPORT_RUNS=i704a2k6
+# SEND_CKPT=i704a2k6 ABLATIONS="i704a2k6 drafter.intermediate_size=704 eval.every=0
+# target.forward_rows=10" multi (the preset since then, but for eval.every): 8,500 steps.
+# Calls 3-4: the same multi (training done, export, every eval).
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
@@ -464,8 +476,9 @@ multi)
   # MULTI_MIN (200) s left is not started. The same call again resumes them all. The logs and
   # reports come back as one multi.tgz (8 files come back), the exports only of EXPORT_RUNS.
   # MULTI_SEQUENCE=1: the runs one after another instead, each started only once the one
-  # before it is complete (e.g. "ref6 loss.anchors=512;p704ft2 --prune-from=ref6 ...": the
-  # shipped drafter's two runs); the same call again goes on where it stopped.
+  # before it is complete (e.g. "ref6 loss.anchors=512 drafter.intermediate_size=1536;p704ft2
+  # --prune-from=ref6 ...": the two runs of the drafter shipped until s24); the same call
+  # again goes on where it stopped.
   start=${CALL_START:-$(date +%s)}
   IFS=';' read -ra specs <<< "${ABLATIONS:?ABLATIONS=\"NAME KEY=VALUE ...;NAME ...\"}"
   mkdir -p "$OUT/multi"

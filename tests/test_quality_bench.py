@@ -737,12 +737,13 @@ def test_a_pruned_start_is_made_once_and_trained_from(
     assert len(calls) == 2
 
 
-def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_prunes_ref6(
+def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     quality: ModuleType,
 ) -> None:
-    """Every `python bench/quality.py` line of the README is a valid command; the two lines of
-    the shipped drafter train `ref6` at 512 anchors and start `p704ft2` from it pruned to
-    704 (the slow smoke test runs a pruned start for real)."""
+    """Every `python bench/quality.py` line of the README is a valid command; the first is the
+    shipped drafter (the preset, nothing set); the two lines of the drafter shipped before it
+    train `ref6` at 512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the
+    slow smoke test runs a pruned start for real)."""
     readme = (ROOT / "README.md").read_text()
     lines = [
         line.split("#")[0].split()[2:]
@@ -750,13 +751,48 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_prunes_ref6(
         if line.startswith("python bench/quality.py ")
     ]
     assert len(lines) >= 7
+    assert lines[0] == ["all"]
     parsed = {}
     for argv in lines:
         stage, config, overrides = quality.parse(argv)
-        parsed[config.run] = (stage, config, overrides)
+        parsed.setdefault(config.run, (stage, config, overrides))
+    stage, shipped, overrides = parsed["reference"]
+    assert stage == "all" and shipped.prune_from is None and overrides == []
     stage, ref6, overrides = parsed["ref6"]
-    assert stage == "all" and ref6.prune_from is None and overrides == ["loss.anchors=512"]
-    stage, shipped, overrides = parsed["p704ft2"]
-    assert stage == "all" and (shipped.prune_from, shipped.prune_width) == ("ref6", 704)
-    assert shipped.prune_mix == "chat=6,humaneval=6,code=12"
+    assert stage == "all" and ref6.prune_from is None
+    assert overrides == ["loss.anchors=512", "drafter.intermediate_size=1536"]
+    stage, pruned, overrides = parsed["p704ft2"]
+    assert stage == "all" and (pruned.prune_from, pruned.prune_width) == ("ref6", 704)
+    assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
+
+
+def test_the_defaults_make_the_shipped_drafters_data(quality: ModuleType, tmp_path: Path) -> None:
+    """`bench/quality.py all` with no option builds the prompts and answers the shipped
+    drafter was trained on: the build-prompts settings equal the marker committed with its
+    data (benchmarks/data/smollm2_reference_20261202), the generate settings the marker of
+    its run (s24), and the run is the preset as shipped (MLP 704, A = 2,048, 6 epochs)."""
+    import tarfile
+
+    from flashdraft import config as cfg
+    from flashdraft.train.presets import smollm2_135m
+
+    _, config, overrides = quality.parse(["all", "--output", str(tmp_path)])
+    pipeline = quality.Pipeline(config, overrides, [])
+    qrun = ROOT / "benchmarks/data/smollm2_reference_20261202/qrun.tar.xz"
+    with tarfile.open(qrun) as tar:
+        member = tar.extractfile(".qrun/stages/build-prompts.json")
+        assert member is not None
+        built = json.load(member)
+    settings = {k: v for k, v in cfg.to_dict(pipeline.sources_config()).items() if k != "output"}
+    assert settings == built["settings"]
+    raw = ROOT / "benchmarks/raw/quality_20261204_s24"
+    generated = json.loads((raw / "stages/generate-greedy.json").read_text())["settings"]
+    [(name, sampling, seed)] = pipeline.passes()
+    assert name == "greedy"
+    assert {"prompts": config.prompts, "sampling": cfg.to_dict(sampling), "seed": seed} == generated
+    run = json.loads((raw / "runs/i704a2k6.run.json").read_text())
+    preset = cfg.to_dict(smollm2_135m())
+    for section in ("drafter", "loss", "optim"):
+        assert run[section] == preset[section], section
+    assert run["target"]["forward_rows"] == preset["target"]["forward_rows"] == 10
