@@ -63,6 +63,37 @@ def test_the_trainer_bench_runs_the_target_ahead() -> None:
     assert result["target_forward_rows"] == 4
 
 
+def test_the_ahead_stage_narrows_to_a_runs_own_shapes(tmp_path: Path) -> None:
+    """`fast_session.sh ahead` (s24): by default every shape (A = 512 and 2,048, R = 1, 4, 10,
+    the 8,192-row LM-head chunks); AHEAD_A / AHEAD_R / AHEAD_CHUNKS=0 leave one run's shapes
+    only. A stand-in python3 records each bench/trainer.py command line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    stub = bin_dir / "python3"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    stub.chmod(0o755)
+    script = str(ROOT / "bench" / "fast_session.sh")
+
+    def commands(**extra: str) -> list[str]:
+        calls.unlink(missing_ok=True)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), **extra}
+        subprocess.run(
+            ["bash", script, "ahead"], cwd=tmp_path, env=env, capture_output=True, timeout=60,
+            check=True,
+        )  # fmt: skip
+        return calls.read_text().splitlines()
+
+    every = commands()
+    assert len(every) == 7 and all(c.startswith("bench/trainer.py") for c in every)
+    assert sum("--chunk-rows 8192" in c for c in every) == 1
+    narrow = commands(AHEAD_A="2048", AHEAD_R="1 10", AHEAD_CHUNKS="0")
+    assert len(narrow) == 2
+    for line, rows in zip(narrow, (1, 10), strict=True):
+        assert "--anchors 2048" in line and f"target.forward_rows={rows}" in line
+        assert "drafter.intermediate_size=704" in line and "--chunk-rows" not in line
+
+
 def test_the_prefill_profile_runs_on_cpu() -> None:
     stdout = run("bench/prefill_profile.py", "--smoke")
     assert "prefill of 3 x 20 tokens" in stdout and "aten::" in stdout
