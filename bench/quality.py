@@ -135,7 +135,7 @@ class QualityConfig:
     )
     device: Literal["auto", "cpu", "cuda"] = option("auto", help="where the target runs")
     seed: int = option(0, help="seeds the held-out split and the order of the prompts")
-    # The data defaults are the shipped drafter's (every run since s12): 40K prompts of the
+    # The data defaults are the shipped drafter's (every run since s14): 40K prompts of the
     # 48K built (15,000 chat, all HumanEval, 32,813 mined code; benchmarks/data/
     # smollm2_reference_20261202), answered greedily, up to 192 new tokens.
     max_chat: int | None = option(15000, ge=0, help="train chat prompts built at most")
