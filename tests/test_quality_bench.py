@@ -770,14 +770,15 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
 def test_the_defaults_make_the_shipped_drafters_data(quality: ModuleType, tmp_path: Path) -> None:
     """`bench/quality.py all` with no option builds the prompts and answers the shipped
     drafter was trained on: the build-prompts settings equal the marker committed with its
-    data (benchmarks/data/smollm2_reference_20261202), the generate settings the marker of
-    its run (s24), and the run is the preset as shipped (MLP 704, A = 2,048, 6 epochs)."""
+    data (benchmarks/data/smollm2_reference_20261202), the generate and prepare settings the
+    markers of its run (s24), and the run `all` trains is that run's config (MLP 704, A =
+    2,048, 6 epochs, the target 10 rows ahead) but for the in-training evals it had off."""
     import tarfile
 
     from flashdraft import config as cfg
     from flashdraft.train.presets import smollm2_135m
 
-    _, config, overrides = quality.parse(["all", "--output", str(tmp_path)])
+    _, config, overrides = quality.parse(["all", "--output", str(tmp_path), "--target", "t"])
     pipeline = quality.Pipeline(config, overrides, [])
     qrun = ROOT / "benchmarks/data/smollm2_reference_20261202/qrun.tar.xz"
     with tarfile.open(qrun) as tar:
@@ -791,8 +792,20 @@ def test_the_defaults_make_the_shipped_drafters_data(quality: ModuleType, tmp_pa
     [(name, sampling, seed)] = pipeline.passes()
     assert name == "greedy"
     assert {"prompts": config.prompts, "sampling": cfg.to_dict(sampling), "seed": seed} == generated
+    # prepare: every default pass, the default turns and loops, as the marker the run used
+    assert pipeline.prepare_marker == "prepare" and config.turns == "all"
+    prepared = json.loads((raw / "stages/prepare.json").read_text())["settings"]
+    assert set(prepared) == {name for name, _, _ in pipeline.passes()}
+    # train: what `all` trains here is what the run trained, but for the device, the paths,
+    # and the in-training evals it had off (eval.every=0)
     run = json.loads((raw / "runs/i704a2k6.run.json").read_text())
-    preset = cfg.to_dict(smollm2_135m())
-    for section in ("drafter", "loss", "optim"):
-        assert run[section] == preset[section], section
-    assert run["target"]["forward_rows"] == preset["target"]["forward_rows"] == 10
+    here = cfg.to_dict(pipeline.run_config())
+    for section in ("drafter", "loss", "optim", "checkpoint", "seed", "compile"):
+        assert here[section] == run[section], section
+    for section, keys in (("target", ("forward_rows", "dtype", "compile", "compile_scope")),
+                          ("data", ("row_tokens", "overlong", "shuffle", "prefetch"))):  # fmt: skip
+        for key in keys:
+            assert here[section][key] == run[section][key], (section, key)
+    assert here["target"]["forward_rows"] == 10 and here["drafter"]["intermediate_size"] == 704
+    assert (here["eval"]["every"], run["eval"]["every"]) == (5000, 0)
+    assert cfg.to_dict(smollm2_135m())["optim"] == run["optim"]
