@@ -18,3 +18,14 @@ print("empty steps:", sum(r.get("empty_steps", 0) for r in rows))
 for s in (1000, 3000, 6000, 9000, 12000, 13860):
     near = min(rows, key=lambda r: abs(r["step"] - s))
     print(f"  step {near['step']}: tau_hat {near['tau_hat']}, loss {near['loss']}")
+
+# What an in-training eval costs (the preset's eval.every = 5000; i704a2k6 ran without):
+# the eval windows' wall time over the median window, in s12's `ref6` (same data, one H200).
+ref6 = [json.loads(l) for l in open(R + "quality_20261202_s12/ref6/metrics.jsonl") if l.strip()]
+median = st.median(r["step_s"] for r in ref6 if "eval_tau" not in r)
+prev = 0
+for r in ref6:
+    if "eval_tau" in r:
+        print(f"ref6 (s12) in-training eval at step {r['step']}: "
+              f"{(r['step_s'] - median) * (r['step'] - prev):.1f} s over its window's median")
+    prev = r["step"]
