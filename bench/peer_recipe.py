@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import torch
 from peers import compute_setup, framework_version  # beside this script
+from quality_report import add_sources, write_spread_subset
 
 from flashdraft import assets, storage
 from flashdraft import config as cfg
@@ -509,12 +510,15 @@ def export(model: Any, out: Path, drafter: DrafterConfig) -> dict[str, Any]:
 def evaluate(
     config: PeerRecipeConfig, target: str, drafter_dir: Path, device: str
 ) -> dict[str, dict[str, Any]] | None:
-    """Each prompt file through the held-out eval of bench/quality.py's eval stage (a file an
-    earlier call evaluated is read back; None when --deadline stopped it before the last)."""
+    """Each prompt file through the held-out eval of bench/quality.py's eval stage, on the
+    prompts that stage picks (`--eval-limit` of them spread over their sources, not the
+    file's first ones: `compare` pairs the two runs prompt by prompt); a file an earlier call
+    evaluated is read back; None when --deadline stopped it before the last."""
     out: dict[str, dict[str, Any]] = {}
     loaded: tuple[Any, Any] | None = None
-    for prompts in config.eval_prompts:
-        name = Path(prompts).stem
+    for held_out in config.eval_prompts:
+        name = Path(held_out).stem
+        prompts = Path(config.output) / "prompts" / f"{name}_{config.eval_limit}.jsonl"
         done = Path(config.output) / "eval" / f"{name}.json"
         if done.exists():
             out[name] = {**summary(json.loads(done.read_text())), "report": str(done)}
@@ -522,10 +526,11 @@ def evaluate(
         if out_of_time(config, EVAL_S):
             log.info(f"eval {name}: stopped for --deadline; run the same command again")
             return None
+        write_spread_subset(Path(held_out), prompts, config.eval_limit)
         eval_config = EvalConfig(
             target=target,
             drafter=str(drafter_dir),
-            prompts=prompts,
+            prompts=str(prompts),
             output=str(Path(config.output) / "eval" / f"{name}.json"),
             max_new_tokens=config.eval_max_new_tokens,
             limit=config.eval_limit,
@@ -534,6 +539,7 @@ def evaluate(
         if loaded is None:
             loaded = load_eval_target(eval_config)
         report = run_eval(eval_config, *loaded, load_drafter(str(drafter_dir)))
+        add_sources(report, prompts)  # the paired interval draws whole sources
         write_report(report, eval_config.output)
         log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
         out[name] = {**summary(report), "report": eval_config.output}

@@ -59,6 +59,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from quality_report import (  # beside this script
     PREPARED,
+    add_sources,
     collect,
     hardware_name,
     peer_row,
@@ -69,6 +70,7 @@ from quality_report import (  # beside this script
     run_row,
     tau_hat_windows,
     write_quality_report,
+    write_spread_subset,
 )
 
 from flashdraft import assets, storage
@@ -723,38 +725,6 @@ def write_mixed_eval(chat: Path, code: Path, out: Path) -> None:
     `eval.num_prompts`, half of each kind."""
     pairs = zip(chat.read_text().splitlines(), code.read_text().splitlines(), strict=False)
     storage.write_text_atomic(str(out), "".join(f"{a}\n{b}\n" for a, b in pairs))
-
-
-def write_spread_subset(source: Path, out: Path, n: int) -> None:
-    """`n` records of `source` taken round-robin over their `source` field, in file order
-    within each (the first record of every source, then the second, ...), kept in that
-    order; records without one count as their own source."""
-    by_source: dict[str, list[str]] = {}
-    with open(source) as f:
-        for index, line in enumerate(f):
-            if line.strip():
-                key = json.loads(line).get("source") or f"#{index}"
-                by_source.setdefault(key, []).append(line if line.endswith("\n") else line + "\n")
-    picked: list[str] = []
-    depth = 0
-    while len(picked) < n and any(len(lines) > depth for lines in by_source.values()):
-        picked += [lines[depth] for lines in by_source.values() if len(lines) > depth]
-        depth += 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    storage.write_text_atomic(str(out), "".join(picked[:n]))
-
-
-def add_sources(report: dict[str, Any], prompts: Path) -> None:
-    """Each per-prompt result of `report` gets its prompt record's `source` (matched by id)."""
-    sources = {}
-    with open(prompts) as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                sources[str(record.get("id"))] = record.get("source")
-    for result in report.get("per_prompt") or []:
-        if sources.get(result.get("id")) is not None:
-            result["source"] = sources[result["id"]]
 
 
 def write_prompt_subset(source: Path, out: Path, n: int, id_suffix: str) -> None:

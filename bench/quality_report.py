@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from flashdraft import storage
 from flashdraft.data.loops import loop_start
 from flashdraft.data.sources import KINDS
 from flashdraft.eval.report import steps_before
@@ -426,6 +427,17 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
     }
 
 
+def same_prompts(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Whether two eval reports ran the same prompts (ids, in order), or cannot tell (a report
+    written before reports listed their prompts). A peer evaluated on another selection of
+    the held-out file (its first N instead of the eval stage's spread over sources) is not
+    comparable: `compare` shows no ratio for it rather than a number of two prompt sets."""
+    a, b = mine.get("per_prompt"), theirs.get("per_prompt")
+    if not a or not b:
+        return True
+    return [x.get("id") for x in a] == [y.get("id") for y in b]
+
+
 def tau_ratio_interval(
     mine: dict[str, Any],
     theirs: dict[str, Any],
@@ -617,6 +629,8 @@ def compare_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> st
                 mine, theirs = row["evals"].get(kind), peer["evals"].get(kind)
                 if is_peer or not mine or not theirs or not theirs.get("tau"):
                     out.append("—")
+                elif not same_prompts(mine, theirs):
+                    out.append("— (other prompts)")  # a ratio of two prompt sets means nothing
                 else:
                     ratio = f"{mine['tau'] / theirs['tau']:.2f}"
                     interval = tau_ratio_interval(mine, theirs)
@@ -630,3 +644,38 @@ def compare_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> st
     if peer is not None:
         lines.append("| " + " | ".join(cells(peer, True)) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---- the eval's prompt selection (the eval stage's and the peer recipe's) ----
+
+
+def write_spread_subset(source: Path, out: Path, n: int) -> None:
+    """`n` records of `source` taken round-robin over their `source` field, in file order
+    within each (the first record of every source, then the second, ...), kept in that
+    order; records without one count as their own source."""
+    by_source: dict[str, list[str]] = {}
+    with open(source) as f:
+        for index, line in enumerate(f):
+            if line.strip():
+                key = json.loads(line).get("source") or f"#{index}"
+                by_source.setdefault(key, []).append(line if line.endswith("\n") else line + "\n")
+    picked: list[str] = []
+    depth = 0
+    while len(picked) < n and any(len(lines) > depth for lines in by_source.values()):
+        picked += [lines[depth] for lines in by_source.values() if len(lines) > depth]
+        depth += 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    storage.write_text_atomic(str(out), "".join(picked[:n]))
+
+
+def add_sources(report: dict[str, Any], prompts: Path) -> None:
+    """Each per-prompt result of `report` gets its prompt record's `source` (matched by id)."""
+    sources = {}
+    with open(prompts) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                sources[str(record.get("id"))] = record.get("source")
+    for result in report.get("per_prompt") or []:
+        if sources.get(result.get("id")) is not None:
+            result["source"] = sources[result["id"]]

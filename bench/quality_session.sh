@@ -175,7 +175,7 @@ export FLASHDRAFT_COMMIT=${FLASHDRAFT_COMMIT:-unknown} FLASHDRAFT_CACHE=/tmp/fla
 # later session's `cache` call puts it back (the v4e6 run's cold first step: 271 s, 68 s
 # target + 203 s drafter; warm on the same machine: 16 s). Recompiles go to the train log.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TORCH_LOGS=${TORCH_LOGS:-recompiles}
-RUN_DIR=/tmp/quality-run
+RUN_DIR=${RUN_DIR:-/tmp/quality-run}
 # bench/quality.py's own defaults are the shipped drafter's data since s24 (40K prompts,
 # greedy, 192 tokens): by default only the GPU count is added
 QUALITY_ARGS=${QUALITY_ARGS:---gpus ${GPUS:-1}}
@@ -438,22 +438,36 @@ more)
 peer)
   # issue 18's peer recipe: speculators' DFlash model, loss and optimizer on the same data,
   # rows and steps (bench/peer_recipe.py); carry .whl/peers
-  # (`WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh`, 7.3 MB). A second call resumes at
-  # the eval when the training finished.
+  # (`WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh`, 7.3 MB). PEER_ARGS: e.g. "--epochs
+  # 2", the steps of the flashdraft run it is compared with. Under its deadline (what is left
+  # of PEER_DEADLINE, 555 s, counted from CALL_START when a stage ran before in the same
+  # call) the training stops at a log record with its state saved and the same call again
+  # goes on; once trained, its export is evaluated by bench/quality.py's eval stage, as the
+  # runs are (the same prompts, spread over sources, the T = 1 pass, QUALITY_ARGS): the
+  # `compare` stage pairs them prompt by prompt (s25; before, the peer's own --eval-prompts
+  # took each file's first 24, other prompts than the runs').
+  start=${CALL_START:-$(date +%s)}
   $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1 || true
-  # PEER_ARGS: e.g. "--steps 4624", the steps of the flashdraft run it is compared with (the
-  # preset's 6 epochs are 13,872 steps); under --deadline the training stops at a log record
-  # with its state saved and the same call again goes on (then the evals, one file per call
-  # at most if time is short)
-  # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
-  PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout 585 python3 bench/peer_recipe.py ${PEER_ARGS:-} \
-    --deadline "${PEER_DEADLINE:-555}" \
-    --data "$RUN_DIR/data" --output "$RUN_DIR/runs/peer-speculators" --eval-prompts \
-    "$RUN_DIR"/prompts/held_out/chat.jsonl "$RUN_DIR"/prompts/held_out/humaneval.jsonl \
-    "$RUN_DIR"/prompts/held_out/code.jsonl > "$OUT/peer.txt" 2>&1
-  echo "== peer exit $?"
-  grep -v "Loading weights" "$OUT/peer.txt" | tail -n 30
-  cp "$RUN_DIR"/runs/peer-speculators/report.json "$OUT/peer_report.json" 2>/dev/null
+  peer=$RUN_DIR/runs/peer-speculators
+  left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
+  if [ ! -f "$peer/report.json" ]; then
+    # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
+    PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 25)) python3 bench/peer_recipe.py \
+      ${PEER_ARGS:-} --deadline "$left" --data "$RUN_DIR/data" --output "$peer" \
+      > "$OUT/peer.txt" 2>&1
+    echo "== peer exit $? after $(($(date +%s) - start)) s"
+    grep -v "Loading weights" "$OUT/peer.txt" | tail -n 12
+  fi
+  cp "$peer/report.json" "$OUT/peer_report.json" 2> /dev/null || exit 0  # not trained yet
+  left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
+  if [ "$left" -lt 150 ]; then
+    echo "== peer eval: ${left} s left, not started; the same call again evaluates"
+    exit 0
+  fi
+  run_quality "$OUT/peer_eval.txt" $((left + 20)) "$OUT" eval --run peer-speculators \
+    --deadline $((left - 10))
+  echo "== peer eval exit $?"
+  grep "^eval \|\"complete\"" "$OUT/peer_eval.txt"
   ;;
 peereval)
   # carry [".qpeer"]: the peer's dflash export (export_peer-speculators.tgz.part*, as `collect`

@@ -278,3 +278,56 @@ def test_multi_in_sequence_starts_a_run_only_after_the_one_before_completes(
     started = [line for line in calls.read_text().splitlines() if line.startswith("start small")]
     assert "--prune-from=ref6 --set optim.epochs=2" in started[0]
     assert multi("cut1 optim.epochs=2;after optim.epochs=2") == ["start cut1", "end cut1"]
+
+
+def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path: Path) -> None:
+    """`quality_session.sh peer`: bench/peer_recipe.py trains (no --eval-prompts of its own),
+    and once its report exists bench/quality.py's eval stage evaluates the export as it does
+    the runs (same prompts, QUALITY_ARGS), so `compare` pairs them prompt by prompt; a peer
+    stopped for its deadline is not evaluated, and a call that finds it trained only
+    evaluates. Both scripts are stand-ins that log their arguments."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "peer_recipe.py").write_text(textwrap.dedent('''
+        import json, os, pathlib, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("peer_recipe " + " ".join(sys.argv[1:]) + "\\n")
+        if not os.environ.get("CUT"):
+            out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.json").write_text(json.dumps({"complete": True}))
+    '''))  # fmt: skip
+    (bench / "quality.py").write_text(textwrap.dedent('''
+        import os, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("quality " + " ".join(sys.argv[1:]) + "\\n")
+        print("eval chat: tau 2.000 on 24 prompts")
+    '''))  # fmt: skip
+    (tmp_path / "site").mkdir()
+    calls, run_dir = tmp_path / "calls.txt", tmp_path / "run"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(run_dir),
+           "QUALITY_ARGS": "--gpus 1 --no-zlab-parity", "PEER_ARGS": "--epochs 2"}  # fmt: skip
+    script = str(ROOT / "bench" / "quality_session.sh")
+
+    def peer(**extra: str) -> list[str]:
+        calls.write_text("")
+        done = subprocess.run(
+            ["bash", script, "peer"], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return calls.read_text().splitlines()
+
+    (cut,) = peer(CUT="1")  # the deadline: 555 s less the seconds the stage took to get there
+    words = cut.split()
+    assert 540 <= int(words[words.index("--deadline") + 1]) <= 555
+    assert cut.endswith(f"--data {run_dir}/data --output {run_dir}/runs/peer-speculators")
+    (trained, evaluated) = peer()
+    assert trained.startswith("peer_recipe --epochs 2") and "--eval-prompts" not in trained
+    assert evaluated.startswith("quality eval --run peer-speculators --deadline ")
+    assert f"--output {run_dir} " in evaluated
+    assert evaluated.endswith(f"--bench-dir {tmp_path}/out --gpus 1 --no-zlab-parity")
+    (again,) = peer()  # trained already: only the eval
+    assert again.startswith("quality eval --run peer-speculators")
+    assert (tmp_path / "out" / "peer_report.json").exists()

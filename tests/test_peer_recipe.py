@@ -93,6 +93,49 @@ def test_the_peers_anchors_are_the_runs_unless_given(
     }
 
 
+def test_the_peer_is_evaluated_on_the_eval_stages_prompts(
+    bench: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--eval-prompts FILE` evaluates the prompts bench/quality.py's eval stage picks of
+    FILE (spread over sources, not its first N), and the report names each prompt's source:
+    `compare` pairs the peer with the runs prompt by prompt (s25: the first 24 of the chat
+    file came from 8 conversations, the eval stage's 24 from 24)."""
+    peer, quality = bench["peer_recipe"], bench["quality"]
+    held_out = tmp_path / "held_out" / "chat.jsonl"
+    held_out.parent.mkdir()
+    sources = ["a", "a", "a", "b", "c", "c"]
+    held_out.write_text(
+        "".join(json.dumps({"id": f"p{i}", "source": s}) + "\n" for i, s in enumerate(sources))
+    )
+    seen = {}
+
+    def fake_eval(config, *_):  # the loop itself is tested with flashdraft eval
+        ids = [json.loads(line)["id"] for line in Path(config.prompts).read_text().splitlines()]
+        seen["ids"] = ids
+        return {"tau": 2.0, "num_prompts": len(ids), "per_prompt": [{"id": i} for i in ids]}
+
+    monkeypatch.setattr(peer, "load_eval_target", lambda config: (None, None))
+    monkeypatch.setattr(peer, "load_drafter", lambda path: None)
+    monkeypatch.setattr(peer, "run_eval", fake_eval)
+
+    def write_json(report, path):  # the JSON only (the real one also plots the acceptance)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report))
+
+    monkeypatch.setattr(peer, "write_report", write_json)
+    output = tmp_path / "peer"
+    config = peer.parse(["--output", str(output), "--data", "d", "--eval-prompts", str(held_out),
+                         "--eval-limit", "3", "--device", "cpu"])  # fmt: skip
+    result = peer.evaluate(config, "target", tmp_path / "export", "cpu")
+    assert seen["ids"] == ["p0", "p3", "p4"]  # one per source first
+    stage = tmp_path / "stage.jsonl"
+    quality.write_spread_subset(held_out, stage, 3)  # what the eval stage evaluates
+    assert [json.loads(x)["id"] for x in stage.read_text().splitlines()] == seen["ids"]
+    report = json.loads((output / "eval" / "chat.json").read_text())
+    assert [p["source"] for p in report["per_prompt"]] == ["a", "b", "c"]
+    assert result is not None and result["chat"]["tau"] == 2.0
+
+
 def test_a_saved_state_survives_a_kill_while_saving(
     bench: dict[str, ModuleType], tmp_path: Path
 ) -> None:

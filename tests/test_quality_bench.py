@@ -418,6 +418,39 @@ def test_compare_sets_runs_beside_each_other_and_the_peer(
     assert "speculators 0.9.0" in peer_line and "| 75.0 |" in peer_line
 
 
+def test_compare_shows_no_ratio_over_other_prompts(quality: ModuleType) -> None:
+    """A peer evaluated on other prompts than the run (the held-out file's first 24 instead of
+    the eval stage's spread over sources, as `quality_session.sh peer` did before s25) gets
+    no ratio: one over two prompt sets would read as a measurement. Reports without
+    per-prompt results (older ones) keep their plain ratio."""
+    report = sys.modules["quality_report"]
+
+    def ev(tau: float, ids: list[str] | None) -> dict:
+        prompts = None if ids is None else [{"id": i, "acceptance_lengths": [2]} for i in ids]
+        return {**_eval_report(tau, [0.5]), **({"per_prompt": prompts} if prompts else {})}
+
+    def row(name: str, evals: dict) -> dict:
+        return {
+            "name": name,
+            "recipe": {"recipe": "r"},
+            "steps": 10,
+            "step_ms": 1.0,
+            "evals": evals,
+        }
+
+    mine = row(
+        "mine",
+        {"chat": ev(3.0, ["a", "b"]), "humaneval": ev(2.0, ["h1", "h2"]), "code": ev(2.0, None)},
+    )
+    peer = row(
+        "peer",
+        {"chat": ev(2.0, ["a", "c"]), "humaneval": ev(2.0, ["h1", "h2"]), "code": ev(1.0, ["x"])},
+    )
+    line = report.compare_table([mine], peer).splitlines()[2]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[-3:] == ["— (other prompts)", "1.00 [1.00-1.00]", "2.00"]
+
+
 def test_tau_ratio_interval_is_paired_over_prompts(quality: ModuleType) -> None:
     """The compare table's interval: resampling prompts, both runs' results on a prompt stay
     together. Equal runs give exactly 1; one prompt that decides the ratio widens it to cover
