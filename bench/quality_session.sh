@@ -165,6 +165,15 @@
 # SEND_CKPT=i704a2k6 ABLATIONS="i704a2k6 drafter.intermediate_size=704 eval.every=0
 # target.forward_rows=10" multi (the preset since then, but for eval.every): 8,500 steps.
 # Calls 3-4: the same multi (training done, export, every eval).
+#
+# 2026-12-04, twenty-fifth session (benchmarks/quality_h200_20261204_s25.md): the peer at
+# the shipped shape, 2 epochs, in three calls (1,035 device-seconds): `one` (carry .whl/min
+# .qcarry .gguf/partaa); export CALL_START=$(date +%s); TWO_STAGES=prepare two (carry
+# .gguf/partab .whl/peers), then PEER_ARGS="--epochs 2" QUALITY_ARGS="--gpus 1
+# --no-zlab-parity --eval-sampled-kinds chat --eval-trained-kinds humaneval" peer: training
+# to step 3,680; the same `peer` again: the rest (558 s of training in all) and the evals
+# (then run by hand as this stage now runs them). Never send a `two` call without
+# .gguf/partab: s25 lost its last 9 device-minutes to that and to the machine that followed.
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}

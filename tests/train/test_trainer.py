@@ -367,3 +367,30 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
         final.state_dict().items(), expected.state_dict().values(), strict=True
     ):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("labels", ["soft", "target"])
+def test_dpace_weights_train_with_the_target_ahead(
+    tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, labels
+) -> None:
+    """The next device ablation (dev/LOG.md, s25: D-PACE at the shipped shape, with soft and
+    with hard labels) as the preset runs it, the target ahead over rows: it trains, each
+    logged loss finite, and running ahead changes nothing but rounding (as with decay)."""
+    record_run_ahead(monkeypatch)
+    extra = {
+        "loss.weighting": '"dpace"',
+        "loss.labels": f'"{labels}"',
+        "loss.soft_top_k": 4,
+        "optim.max_steps": 4,
+        "target.forward_rows": 2,
+        "log.every": 1,
+    }
+    curves = []
+    for rows in (2, 1):
+        run = tmp_path / f"rows{rows}"
+        settings = {**extra, "target.forward_rows": rows}
+        assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, qwen_data, **settings)]) == 0
+        curves.append([(r["loss"], r["tau_hat"]) for r in read_metrics(run)])
+    assert len(curves[0]) == 4 and all(torch.isfinite(torch.tensor(c)).all() for c in curves[0])
+    for got, want in zip(*curves, strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
