@@ -9,6 +9,7 @@ evals: `eval.every`) and the held-out eval reports; what is missing shows as not
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import random
 import statistics
@@ -405,6 +406,25 @@ def run_row(out: Path, run: str) -> dict[str, Any]:
     }
 
 
+def peer_step_ms(metrics: Path) -> float | None:
+    """The peer's median step time from its log (`elapsed_s` between consecutive records over
+    the steps between them), as the runs' median `step_s`; its train_s / steps would also
+    count the start-up and compilation before the first record (s25: 120.5 ms against a
+    median of 104.0). None without two records in a row."""
+    if not metrics.exists():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [
+        (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
+        for a, b in itertools.pairwise(records)
+        if "elapsed_s" in a
+        and "elapsed_s" in b
+        and b["step"] > a["step"]
+        and b["elapsed_s"] >= a["elapsed_s"]
+    ]
+    return statistics.median(times) * 1e3 if times else None
+
+
 def peer_row(folder: Path) -> dict[str, Any] | None:
     """bench/peer_recipe.py's run in `folder` (its report.json and eval/), or None."""
     report_path = folder / "report.json"
@@ -417,12 +437,14 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text()) if path.exists() else None
 
     steps = report.get("steps")
+    step_ms = report["train_s"] / steps * 1e3 if steps and report.get("train_s") else None
+    logged = peer_step_ms(folder / "metrics.jsonl")
     return {
         "name": f"peer: speculators {report.get('peer_version', '?')}",
         "evals": {kind: read(kind) for kind in KINDS},
         "sampled": {kind: read(f"{kind}_t1") for kind in KINDS},
         "steps": steps,
-        "step_ms": report["train_s"] / steps * 1e3 if steps and report.get("train_s") else None,
+        "step_ms": logged if logged is not None else step_ms,
         "recipe": {"recipe": "speculators' own (Muon, D-PACE, linear schedule)"},
     }
 
@@ -547,7 +569,8 @@ def position_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> s
             if not cond:
                 continue
             mix = "—"
-            if theirs and row is not peer:
+            same = peer is not None and same_prompts(row["evals"][kind], peer["evals"][kind])
+            if theirs and row is not peer and same:
                 mix = f"{_chained_tau(cond[:1] + theirs[1:]):.3f}"
             cells = [f"{c:.3f}" for c in cond[:POSITIONS]]
             cells += [""] * (POSITIONS - len(cells))

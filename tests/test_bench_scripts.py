@@ -328,26 +328,37 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
     assert evaluated.startswith("quality eval --run peer-speculators --deadline ")
     assert f"--output {run_dir} " in evaluated
     assert evaluated.endswith(f"--bench-dir {tmp_path}/out --gpus 1 --no-zlab-parity")
-    (again,) = peer()  # trained already: only the eval
+    # trained already: peer_recipe checks its settings (and trains nothing), then the eval
+    checked, again = peer()
+    assert checked.startswith("peer_recipe --epochs 2")
     assert again.startswith("quality eval --run peer-speculators")
     assert (tmp_path / "out" / "peer_report.json").exists()
+    assert peer(PEER_DEADLINE="100") == []  # under PEER_MIN left: nothing starts
 
 
 def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:
     """`two` without its part of the GGUF (s25 sent it without its carry) says in one line how
     many bytes it has and what to carry, instead of a checksum failure that reads like a lost
-    machine; it stops before writing the target anywhere."""
+    machine; without the first part (kept by `one`) it says to start again with `one`."""
     parts, site = tmp_path / "parts", tmp_path / "site"
     parts.mkdir()
     site.mkdir()
-    (parts / "partaa").write_bytes(b"x" * 1000)  # what `one` left on the machine
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
            "SITE": str(site), "GGUF_PARTS": str(parts)}  # fmt: skip
-    done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "quality_session.sh"), "two"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 1, (done.stdout, done.stderr)
-    (line,) = done.stdout.strip().splitlines()
-    assert "1000 of 98362432 bytes" in line and "(partaa)" in line
-    assert "carry the missing part (.gguf/partab)" in line
+
+    def two() -> str:
+        done = subprocess.run(
+            ["bash", str(ROOT / "bench" / "quality_session.sh"), "two"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        (line,) = done.stdout.strip().splitlines()
+        return line
+
+    (parts / "partab").write_bytes(b"x" * 10)  # this call's part, on a fresh machine
+    line = two()
+    assert "first part is not here (10 of 98362432 bytes" in line and "call one" in line
+    (parts / "partab").unlink()
+    (parts / "partaa").write_bytes(b"x" * 1000)  # what `one` left; this call carried nothing
+    line = two()
+    assert "1000 of 98362432 bytes" in line and "(partaa)" in line and ".gguf/partab" in line

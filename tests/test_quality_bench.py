@@ -451,6 +451,21 @@ def test_compare_shows_no_ratio_over_other_prompts(quality: ModuleType) -> None:
     assert cells[-3:] == ["— (other prompts)", "1.00 [1.00-1.00]", "2.00"]
 
 
+def test_the_peers_step_time_is_its_logged_median(quality: ModuleType, tmp_path: Path) -> None:
+    """The peer's ms/step in `compare` is the median of its logged intervals, as the runs'
+    median step_s, not train_s / steps, which also counts its start-up and compilation; a
+    resumed run's clock restarting is skipped; without a log, train_s / steps."""
+    report = sys.modules["quality_report"]
+    folder = tmp_path / "peer"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps({"steps": 80, "train_s": 80.0}))
+    assert report.peer_row(folder)["step_ms"] == 1000.0
+    log = [(20, 70.0), (40, 72.0), (60, 74.2), (80, 5.0), (100, 7.0)]  # compiled, then resumed
+    lines = [json.dumps({"step": s, "elapsed_s": e}) for s, e in log]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert report.peer_row(folder)["step_ms"] == pytest.approx(100.0)  # of 100, 110, 100 ms
+
+
 def test_tau_ratio_interval_is_paired_over_prompts(quality: ModuleType) -> None:
     """The compare table's interval: resampling prompts, both runs' results on a prompt stay
     together. Equal runs give exactly 1; one prompt that decides the ratio widens it to cover
@@ -586,6 +601,11 @@ def test_compare_shows_where_the_acceptance_differs_by_position(quality: ModuleT
     mix = 1 + 0.8 + 0.8 * 0.9 + 0.8 * 0.9 * 0.5  # mine's c1, the peer's c2 and c3
     assert f"| chat | mine | 0.800 | 0.500 | 0.500 |  |  |  |  |  | {mix:.3f} |" in section
     assert "| chat | peer | 0.600 | 0.900 | 0.500 |  |  |  |  |  | — |" in section
+    # evaluated on other prompts than the peer: no mix (as no ratio in the tables above)
+    mine["evals"]["chat"]["per_prompt"] = [{"id": "a", "acceptance_lengths": [2]}]
+    theirs["evals"]["chat"]["per_prompt"] = [{"id": "b", "acceptance_lengths": [2]}]
+    section = report.render_compare([mine], theirs).split("by draft position")[1]
+    assert "| chat | mine | 0.800 | 0.500 | 0.500 |  |  |  |  |  | — |" in section
     assert report._chained_tau([0.5, 0.5]) == pytest.approx(1.75)
     # no per-position data (older eval reports): no table
     assert "Conditional acceptance" not in report.render_compare([row("old", None)], None)

@@ -376,7 +376,7 @@ def test_dpace_weights_train_with_the_target_ahead(
     """The next device ablation (dev/LOG.md, s25: D-PACE at the shipped shape, with soft and
     with hard labels) as the preset runs it, the target ahead over rows: it trains, each
     logged loss finite, and running ahead changes nothing but rounding (as with decay)."""
-    record_run_ahead(monkeypatch)
+    groups = record_run_ahead(monkeypatch)
     extra = {
         "loss.weighting": '"dpace"',
         "loss.labels": f'"{labels}"',
@@ -391,6 +391,8 @@ def test_dpace_weights_train_with_the_target_ahead(
         settings = {**extra, "target.forward_rows": rows}
         assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, qwen_data, **settings)]) == 0
         curves.append([(r["loss"], r["tau_hat"]) for r in read_metrics(run)])
+        if rows == 2:
+            assert groups == [2, 2]  # it ran ahead: 4 steps' rows in two forwards
     assert len(curves[0]) == 4 and all(torch.isfinite(torch.tensor(c)).all() for c in curves[0])
     for got, want in zip(*curves, strict=True):
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
