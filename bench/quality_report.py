@@ -406,21 +406,16 @@ def run_row(out: Path, run: str) -> dict[str, Any]:
     }
 
 
-def peer_step_ms(metrics: Path) -> float | None:
+def peer_step_ms(folder: Path) -> float | None:
     """The peer's median step time from its log (`elapsed_s` between consecutive records over
-    the steps between them), as the runs' median `step_s`; its train_s / steps would also
-    count the start-up and compilation before the first record (s25: 120.5 ms against a
-    median of 104.0). None without two records in a row."""
-    if not metrics.exists():
-        return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    the steps between them; a resumed run's clock restarts, so a pair going back is skipped),
+    as the runs' median `step_s`; its train_s / steps would also count the start-up and
+    compilation before the first record (s25: 120.5 ms against a median of 104.0). None
+    without two timed records."""
     times = [
         (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
-        for a, b in itertools.pairwise(records)
-        if "elapsed_s" in a
-        and "elapsed_s" in b
-        and b["step"] > a["step"]
-        and b["elapsed_s"] >= a["elapsed_s"]
+        for a, b in itertools.pairwise(read_metrics(folder))
+        if "elapsed_s" in a and "elapsed_s" in b and b["elapsed_s"] >= a["elapsed_s"]
     ]
     return statistics.median(times) * 1e3 if times else None
 
@@ -437,14 +432,15 @@ def peer_row(folder: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text()) if path.exists() else None
 
     steps = report.get("steps")
-    step_ms = report["train_s"] / steps * 1e3 if steps and report.get("train_s") else None
-    logged = peer_step_ms(folder / "metrics.jsonl")
+    step_ms = peer_step_ms(folder)
+    if step_ms is None and steps and report.get("train_s"):  # no log: the whole time
+        step_ms = report["train_s"] / steps * 1e3
     return {
         "name": f"peer: speculators {report.get('peer_version', '?')}",
         "evals": {kind: read(kind) for kind in KINDS},
         "sampled": {kind: read(f"{kind}_t1") for kind in KINDS},
         "steps": steps,
-        "step_ms": logged if logged is not None else step_ms,
+        "step_ms": step_ms,
         "recipe": {"recipe": "speculators' own (Muon, D-PACE, linear schedule)"},
     }
 
@@ -476,7 +472,7 @@ def tau_ratio_interval(
     by whole source: turns of one conversation are not independent draws. `sources` (prompt
     id -> source) names them for reports that do not (`flashdraft eval`'s own)."""
     a, b = mine.get("per_prompt") or [], theirs.get("per_prompt") or []
-    if not a or [x.get("id") for x in a] != [y.get("id") for y in b]:
+    if not a or not b or not same_prompts(mine, theirs):
         return None
     clusters: dict[str, list[float]] = {}
     for index, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -561,16 +557,14 @@ def position_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> s
     positions matched the peer's."""
     table_rows = []
     for kind in KINDS:
-        theirs = (
-            None if peer is None else (peer["evals"].get(kind) or {}).get("conditional_acceptance")
-        )
+        peer_eval = None if peer is None else peer["evals"].get(kind)
+        theirs = (peer_eval or {}).get("conditional_acceptance")
         for row in [*rows, *([peer] if peer is not None else [])]:
             cond = (row["evals"].get(kind) or {}).get("conditional_acceptance")
             if not cond:
                 continue
             mix = "—"
-            same = peer is not None and same_prompts(row["evals"][kind], peer["evals"][kind])
-            if theirs and row is not peer and same:
+            if theirs and row is not peer and same_prompts(row["evals"][kind], peer_eval):
                 mix = f"{_chained_tau(cond[:1] + theirs[1:]):.3f}"
             cells = [f"{c:.3f}" for c in cond[:POSITIONS]]
             cells += [""] * (POSITIONS - len(cells))

@@ -158,7 +158,8 @@
 #
 # 2026-12-04, twenty-fourth session (benchmarks/quality_h200_20261204_s24.md): the shipped
 # drafter is now the preset's own one-stage run; calls 1-4 below took 1,324 device-seconds
-# from a fresh machine with no compile cache (a fifth call, the A = 512 bench, 1,432 in all). Call 1 (carry .whl/min .qcarry .gguf/partaa): `one`, then
+# from a fresh machine with no compile cache (a fifth call, the A = 512 bench, 1,432 in
+# all). Call 1 (carry .whl/min .qcarry .gguf/partaa): `one`, then
 # TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache AHEAD_A=2048 AHEAD_R="1 10" AHEAD_CHUNKS=0
 # bash bench/fast_session.sh ahead (the run's own shapes: measures target.forward_rows and
 # warms the run's compile cache; the run's first step then took 13.8 s). Call 2 (carry
@@ -234,28 +235,42 @@ first_step() {  # first_step NAME PID: wait until run NAME logs its first step (
   sleep "${MULTI_SOLO:-0}"
 }
 
-peer_beside() {  # peer_beside START: `multi` with PEER_BESIDE=1: the peer recipe (PEER_ARGS,
-  # e.g. "--epochs 2", the steps of an `optim.epochs=2` ablation) trained beside the runs in
-  # the background, then its export evaluated by the runs' own eval stage (their prompts,
-  # limit and loop: what `peereval` does), each under what is left of MULTI_BUDGET; the same
-  # call again resumes it. Carry .whl/peers in the first call that runs it.
-  local peer=$RUN_DIR/runs/peer-speculators left
-  ls .whl/peers/*.whl > /dev/null 2>&1 && { $PIP --target /tmp/peer-site .whl/peers/*.whl \
-    > /dev/null 2>&1 || echo "== peer: the wheels in .whl/peers did not install"; }
-  left=$((${MULTI_BUDGET:-540} - $(date +%s) + $1))
-  if [ "$left" -lt "${MULTI_MIN:-200}" ]; then
-    echo "== peer: ${left} s left, not started" >> "$OUT/multi/peer.txt"
+peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_ARGS, e.g.
+  # "--epochs 2", the steps of the flashdraft run it is compared with), then its export
+  # evaluated by the runs' own eval stage (their prompts, spread over sources, the T = 1
+  # pass, QUALITY_ARGS: `compare` pairs them prompt by prompt), each under what is left of
+  # BUDGET seconds from START; with under MIN left the training is not started (its first
+  # log record, where a deadline can stop it with its state saved, came ~70 s in). The same
+  # call again resumes it: a trained peer (its train.json) is checked against these settings
+  # by peer_recipe, which then returns without training. Logs: DIR/peer.txt and
+  # DIR/peer_eval.txt. Carry .whl/peers in the first call that runs it.
+  local start=$1 budget=$2 min=$3 dir=$4 peer=$RUN_DIR/runs/peer-speculators left
+  mkdir -p "$dir"
+  if ls .whl/peers/*.whl > /dev/null 2>&1 \
+    && ! $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1; then
+    echo "== peer: the wheels in .whl/peers did not install" >> "$dir/peer.txt"
+  fi
+  left=$((budget - $(date +%s) + start))
+  if [ "$left" -lt "$min" ]; then
+    echo "== peer: ${left} s left, not started; the same stage in the next call goes on" \
+      >> "$dir/peer.txt"
     return 0
   fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
   PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 30)) python3 bench/peer_recipe.py \
     ${PEER_ARGS:-} --deadline $((left - 20)) --data "$RUN_DIR/data" --output "$peer" \
-    >> "$OUT/multi/peer.txt" 2>&1
-  echo "== peer exit $? after $(($(date +%s) - $1)) s" >> "$OUT/multi/peer.txt"
-  [ -f "$peer/report.json" ] || return 0  # stopped for the deadline: the next call goes on
-  left=$((${MULTI_BUDGET:-540} - $(date +%s) + $1))
-  [ "$left" -gt 150 ] || return 0
-  run_quality "$OUT/multi/peer_eval.txt" $((left + 30)) "$OUT/multi" eval --run peer-speculators \
+    >> "$dir/peer.txt" 2>&1
+  echo "== peer exit $? after $(($(date +%s) - start)) s" >> "$dir/peer.txt"
+  if [ ! -f "$peer/report.json" ]; then  # stopped for the deadline: the next call goes on
+    echo "== peer: not trained yet; the same stage in the next call goes on" >> "$dir/peer.txt"
+    return 0
+  fi
+  left=$((budget - $(date +%s) + start))
+  if [ "$left" -le 150 ]; then
+    echo "== peer eval: ${left} s left, not started; the next call evaluates" >> "$dir/peer.txt"
+    return 0
+  fi
+  run_quality "$dir/peer_eval.txt" $((left + 30)) "$dir" eval --run peer-speculators \
     --deadline $((left - 20))
 }
 
@@ -463,46 +478,16 @@ more)
   ;;
 peer)
   # issue 18's peer recipe: speculators' DFlash model, loss and optimizer on the same data,
-  # rows and steps (bench/peer_recipe.py); carry .whl/peers
-  # (`WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh`, 7.3 MB). PEER_ARGS: e.g. "--epochs
-  # 2", the steps of the flashdraft run it is compared with. Under its deadline (what is left
-  # of PEER_DEADLINE, 555 s, counted from CALL_START when a stage ran before in the same
-  # call) the training stops at a log record with its state saved and the same call again
-  # goes on; once trained, its export is evaluated by bench/quality.py's eval stage, as the
-  # runs are (the same prompts, spread over sources, the T = 1 pass, QUALITY_ARGS): the
-  # `compare` stage pairs them prompt by prompt (s25; before, the peer's own --eval-prompts
-  # took each file's first 24, other prompts than the runs').
-  # PEER_MIN (150 s): a training with less left is not started (its first log record, where
-  # a deadline can stop it with its state saved, came ~70 s in, compilation included). Then
-  # `collect` sends the results and the peer's export (not on a lost machine: keep chaining).
-  start=${CALL_START:-$(date +%s)}
-  $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1 || true
-  peer=$RUN_DIR/runs/peer-speculators
-  left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
-  if [ "$left" -lt "${PEER_MIN:-150}" ]; then
-    echo "== peer: ${left} s left, not started; the same stage in the next call goes on"
-  else
-    # Trained already (OUT/train.json): peer_recipe checks that its settings are these and
-    # returns without training, so other PEER_ARGS cannot pass for the trained peer
-    # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
-    PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 25)) python3 bench/peer_recipe.py \
-      ${PEER_ARGS:-} --deadline "$left" --data "$RUN_DIR/data" --output "$peer" \
-      > "$OUT/peer.txt" 2>&1
-    echo "== peer exit $? after $(($(date +%s) - start)) s"
-    grep -v "Loading weights" "$OUT/peer.txt" | tail -n 12
-    left=$((${PEER_DEADLINE:-555} - $(date +%s) + start))
-    if [ ! -f "$peer/report.json" ]; then
-      echo "== peer: not trained yet; the same stage in the next call goes on"
-    elif [ "$left" -lt 150 ]; then
-      echo "== peer eval: ${left} s left, not started; the same stage in the next call evaluates"
-    else
-      run_quality "$OUT/peer_eval.txt" $((left + 20)) "$OUT" eval --run peer-speculators \
-        --deadline $((left - 10))
-      echo "== peer eval exit $?"
-      grep "^eval \|\"complete\"" "$OUT/peer_eval.txt"
-    fi
-  fi
-  cp "$peer/report.json" "$OUT/peer_report.json" 2> /dev/null
+  # rows and steps (bench/peer_recipe.py), then the eval stage on its export: peer_and_eval,
+  # with PEER_DEADLINE (555 s, counted from CALL_START when a stage ran before in the same
+  # call) and PEER_MIN (150 s); carry .whl/peers (`WHEEL_DIR=.whl/peers bash
+  # bench/peers_wheels.sh`, 7.3 MB). Then `collect` sends the results and the peer's export.
+  # (Before s25 the peer's own --eval-prompts took each file's first 24 prompts, other
+  # prompts than the runs'.)
+  peer_and_eval "${CALL_START:-$(date +%s)}" "${PEER_DEADLINE:-555}" "${PEER_MIN:-150}" "$OUT"
+  grep -v "Loading weights" "$OUT/peer.txt" | tail -n 12
+  grep -h "^eval \|\"complete\"" "$OUT/peer_eval.txt" 2> /dev/null
+  cp "$RUN_DIR/runs/peer-speculators/report.json" "$OUT/peer_report.json" 2> /dev/null
   ;;
 peereval)
   # carry [".qpeer"]: the peer's dflash export (export_peer-speculators.tgz.part*, as `collect`
@@ -535,9 +520,10 @@ multi)
   mkdir -p "$OUT/multi"
   names=()
   read -ra gpus <<< "${MULTI_GPUS:-}"  # e.g. "0 1" (the x2 machine): runs round-robin on them
-  # PEER_BESIDE=1: the peer recipe beside them (peer_beside), started first (it compiles
+  # PEER_BESIDE=1: the peer recipe beside them (peer_and_eval), started first (it compiles
   # other graphs than the runs, so it need not wait for their first step)
-  [ "${PEER_BESIDE:-0}" = 1 ] && peer_beside "$start" &
+  [ "${PEER_BESIDE:-0}" = 1 ] && peer_and_eval "$start" "${MULTI_BUDGET:-540}" \
+    "${MULTI_MIN:-200}" "$OUT/multi" &
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue

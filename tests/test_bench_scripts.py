@@ -319,9 +319,9 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
         assert done.returncode == 0, (done.stdout, done.stderr)
         return calls.read_text().splitlines()
 
-    (cut,) = peer(CUT="1")  # the deadline: 555 s less the seconds the stage took to get there
+    (cut,) = peer(CUT="1")  # the deadline: what is left of 555 s, less 20 to save its state
     words = cut.split()
-    assert 540 <= int(words[words.index("--deadline") + 1]) <= 555
+    assert 520 <= int(words[words.index("--deadline") + 1]) <= 535
     assert cut.endswith(f"--data {run_dir}/data --output {run_dir}/runs/peer-speculators")
     (trained, evaluated) = peer()
     assert trained.startswith("peer_recipe --epochs 2") and "--eval-prompts" not in trained

@@ -606,6 +606,10 @@ def test_compare_shows_where_the_acceptance_differs_by_position(quality: ModuleT
     theirs["evals"]["chat"]["per_prompt"] = [{"id": "b", "acceptance_lengths": [2]}]
     section = report.render_compare([mine], theirs).split("by draft position")[1]
     assert "| chat | mine | 0.800 | 0.500 | 0.500 |  |  |  |  |  | — |" in section
+    # a kind the peer was not evaluated on: the run's row, no mix
+    mine["evals"]["humaneval"] = {"tau": 2.0, "conditional_acceptance": [0.5]}
+    section = report.render_compare([mine], theirs).split("by draft position")[1]
+    assert "| code: HumanEval | mine | 0.500 |" in section
     assert report._chained_tau([0.5, 0.5]) == pytest.approx(1.75)
     # no per-position data (older eval reports): no table
     assert "Conditional acceptance" not in report.render_compare([row("old", None)], None)

@@ -114,10 +114,12 @@ def smollm2_135m(
     per comparison (benchmarks/quality_h200_2026120*.md): 6 epochs over 2 raised held-out tau
     by 27-32% on every kind (AdamW); A = 2048 over 512 at 5 layers (2 epochs) +5.7% chat,
     +9.0% HumanEval, +11.0% mined Python (quality_h200_20261204_s21, where flashdraft / the
-    peer recipe, the peer at MLP 1,536, was 1.04, 1.10, 1.10 with this drafter at MLP 1,536
-    and 0.98, 1.01, 1.03 at 704; the peer at 704: not run); at 2 epochs Muon (lr 1e-3,
-    linear) over AdamW (6e-4, cosine) +22% / +21% / +24%; D-PACE slot weights over the decay nothing with Muon and -4 to
-    -9% with AdamW (quality_h200_20261202_ablations); with Muon, 5 layers over 3 +27% / +19% /
+    peer recipe, the peer at MLP 1,536 and A = 512, was 1.04, 1.10, 1.10 with this drafter at
+    MLP 1,536 and 0.98, 1.01, 1.03 at 704; against the peer at this shape, MLP 704 and A =
+    2048, it is 0.93, 0.93, 0.94 at T = 0 and 1.13 at T = 1, quality_h200_20261204_s25); at
+    2 epochs Muon (lr 1e-3, linear) over AdamW (6e-4, cosine) +22% / +21% / +24%; D-PACE
+    slot weights over the decay nothing with Muon and -4 to -9% with AdamW (3 layers, A =
+    512; quality_h200_20261202_ablations); with Muon, 5 layers over 3 +27% / +19% /
     +25% and soft labels over hard +12% / +1% / +2% (quality_h200_20261202_s11); MLP 704 at
     6 epochs against 1,536 at A = 512 (`ref6`, 38.7 MB, quality_h200_20261202_s12) 1.030 /
     1.018 / 1.036, and against `ref6` pruned to 704 and trained 2 more epochs (`p704ft2`,
