@@ -137,6 +137,18 @@ def block_labels(
     return labels, mask.float()
 
 
+def mix_argmax(ids: Tensor, probs: Tensor, argmax: Tensor, share: float) -> Tensor:
+    """Soft labels with the target's argmax mixed in: (1 - share) probs + share one-hot(argmax),
+    over the top-k ids [..., k] (probs [..., k]; argmax [...]). The argmax is among the top k
+    (its largest logit); at a tie of more than k logits it may not be, and that row keeps
+    mass 1 - share (the soft loss takes any mass)."""
+    if not share:
+        return probs
+    hit = (ids == argmax[..., None]).to(probs.dtype)
+    hit = hit / hit.sum(dim=-1, keepdim=True).clamp(min=1)  # one id, even if topk repeats ties
+    return (1.0 - share) * probs + share * hit
+
+
 def data_next_tokens(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     """[R, A, B-1] the data tokens x_{a+k} (k = 1..B-1): labels for the data-label option."""
     context_len = input_ids.shape[1]

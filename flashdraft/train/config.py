@@ -142,10 +142,24 @@ class LossSection:
     soft_top_k: int = option(
         32, ge=1, help="soft labels: target probabilities kept per position (top k)"
     )
+    argmax_mix: float = option(
+        0.0,
+        ge=0,
+        le=1,
+        help="soft labels: share m of the target's argmax mixed in, p = (1-m) top-k + m "
+        "one-hot(argmax); 0: the top-k distribution, 1: the hard labels' loss",
+    )
     chunk_rows: int = option(2048, ge=1, help="rows per LM-head chunk", tags=SAFE)
 
     def __post_init__(self) -> None:
         cfg.validate(self)
+        if self.argmax_mix and self.labels != "soft":
+            raise cfg.ConfigError(
+                "argmax_mix",
+                self.argmax_mix,
+                f"only with labels = 'soft' (labels = {self.labels!r} are one-hot already); "
+                "set loss.labels = 'soft' or leave argmax_mix at 0",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

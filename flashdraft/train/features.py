@@ -36,7 +36,7 @@ from flashdraft.model.target import (
     default_attention,
     load_target,
 )
-from flashdraft.train.blocks import data_next_tokens
+from flashdraft.train.blocks import data_next_tokens, mix_argmax
 from flashdraft.train.config import LossSection
 from flashdraft.train.packing import Row
 from flashdraft.train.parallel import (
@@ -186,6 +186,8 @@ def target_outputs(
     )
     if out.next_tokens is None:
         out.next_tokens = data_next_tokens(ids, anchors, block)
+    if out.soft_ids is not None and out.soft_probs is not None:
+        out.soft_probs = mix_argmax(out.soft_ids, out.soft_probs, out.next_tokens, loss.argmax_mix)
     return out
 
 

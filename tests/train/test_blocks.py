@@ -10,6 +10,7 @@ from flashdraft.train.blocks import (
     block_labels,
     data_next_tokens,
     label_positions,
+    mix_argmax,
     sample_anchors,
     slot_weights,
 )
@@ -102,3 +103,17 @@ def test_slot_weights() -> None:
     assert math.isclose(float(w[8]), math.exp(-1.0), rel_tol=1e-6)
     with pytest.raises(ValueError):
         slot_weights(16, 0.0)
+
+
+def test_mix_argmax_moves_a_share_of_the_mass_onto_the_argmax() -> None:
+    ids = torch.tensor([[7, 3, 9], [2, 5, 8]])
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+    argmax = torch.tensor([7, 2])
+    assert mix_argmax(ids, probs, argmax, 0.0) is probs  # off: untouched
+    half = mix_argmax(ids, probs, argmax, 0.5)
+    assert torch.allclose(half, torch.tensor([[0.75, 0.15, 0.1], [0.8, 0.15, 0.05]]))
+    assert torch.allclose(half.sum(-1), torch.ones(2))
+    assert torch.equal(mix_argmax(ids, probs, argmax, 1.0), torch.tensor([[1.0, 0, 0], [1, 0, 0]]))
+    # The argmax need not be the first of the top k (topk and argmax may order ties apart).
+    tied = mix_argmax(torch.tensor([[3, 7, 9]]), torch.tensor([[0.4, 0.4, 0.2]]), argmax[:1], 1.0)
+    assert tied.tolist() == [[0.0, 1.0, 0.0]]

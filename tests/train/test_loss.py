@@ -400,6 +400,28 @@ def test_dpace_weights_follow_the_drafters_confidence() -> None:
     assert (w[:, :-1] >= w[:, 1:]).all()  # a suffix sum never grows along the block
 
 
+def test_dpace_weights_are_speculators_own() -> None:
+    """The oracle (speculators installed, e.g. PYTHONPATH=/tmp/specsite as in dev/LOG.md):
+    `dpace_weights` over slots 1..B-1 equals speculators' `dpace_loss_decay` over whole
+    blocks (slot 0 untrained there), for any confidence, trained mask and smoothing; the
+    peer comparisons rest on the two being one formula."""
+    utils = pytest.importorskip("speculators.losses.utils")
+    gen = torch.Generator().manual_seed(8)
+    blocks, size = 64, 16
+    for alpha in (0.0, 0.5, 0.9):
+        ce = torch.rand(blocks, size, generator=gen) * 4  # -log q, q from 1 down to e^-4
+        mask = torch.rand(blocks, size, generator=gen) > 0.2
+        mask[:, 0] = False  # the anchor slot, never trained
+        theirs = utils.dpace_loss_decay(
+            None, mask.reshape(1, -1).float(), size, alpha, ce.reshape(1, -1)
+        ).view(blocks, size)
+        trained = mask[:, 1:].reshape(-1)
+        ours = dpace_weights(-ce[:, 1:].reshape(-1), trained, DPace(alpha, size - 1)) * trained
+        # (an untrained slot's W is 0 there; here its loss coefficient is, so W x coef agree)
+        torch.testing.assert_close(ours.view(blocks, size - 1), theirs[:, 1:], rtol=1e-6, atol=0)
+        assert (theirs[:, 0] == 0).all()
+
+
 def test_dpace_loss_is_independent_of_the_micro_batch_and_rank_split() -> None:
     """SPEC trap 10 for D-PACE: W is per block and the normaliser is the global trained-slot
     count, so any split of the blocks over micro-batches (or ranks, whose gradients are

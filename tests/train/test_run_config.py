@@ -109,3 +109,14 @@ def test_the_target_runs_ahead_over_whole_steps_and_only_colocated() -> None:
         load_run_config(None, [*base, "target.forward_rows=6", "optim.grad_accum=4"])
     with pytest.raises(cfg.ConfigError, match="applies to the colocated placement"):
         load_run_config(None, [*base, "target.forward_rows=2", 'parallel.placement="split"'])
+
+
+def test_the_argmax_mix_is_a_share_of_soft_labels_only() -> None:
+    base = ["output=x", "target.path=t", 'data.datasets=["d"]']
+    soft = [*base, 'loss.labels="soft"']
+    assert load_run_config(None, [*soft, "loss.argmax_mix=0.5"]).loss.argmax_mix == 0.5
+    assert load_run_config(None, base).loss.argmax_mix == 0.0  # off unless asked for
+    with pytest.raises(cfg.ConfigError, match=r"loss\.argmax_mix = 0\.5.*only with labels"):
+        load_run_config(None, [*base, "loss.argmax_mix=0.5"])  # hard labels: nothing to mix
+    with pytest.raises(cfg.ConfigError, match=r"loss\.argmax_mix"):
+        load_run_config(None, [*soft, "loss.argmax_mix=1.5"])

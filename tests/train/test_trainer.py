@@ -396,3 +396,29 @@ def test_dpace_weights_train_with_the_target_ahead(
     assert len(curves[0]) == 4 and all(torch.isfinite(torch.tensor(c)).all() for c in curves[0])
     for got, want in zip(*curves, strict=True):
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_soft_labels_with_the_whole_argmax_mixed_in_train_as_hard_labels(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """`loss.argmax_mix = 1` turns the soft labels into one-hot argmax labels, so three steps
+    train as `loss.labels = "target"` does (same losses, same weights, up to rounding); with
+    no argmax mixed in the soft labels train otherwise (the check can fail)."""
+    runs = {
+        "hard": {"loss.labels": '"target"'},
+        "mix1": {"loss.labels": '"soft"', "loss.argmax_mix": 1.0},
+        "soft": {"loss.labels": '"soft"'},
+    }
+    curves, weights = {}, {}
+    for name, extra in runs.items():
+        run = tmp_path / name
+        settings = {**extra, "loss.soft_top_k": 4, "optim.max_steps": 3, "log.every": 1}
+        settings |= {"checkpoint.every": 3}
+        assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, qwen_data, **settings)]) == 0
+        curves[name] = [r["loss"] for r in read_metrics(run)]
+        weights[name] = load_drafter(complete_checkpoints(str(run))[-1][1]).state_dict()
+    assert len(curves["hard"]) == 3
+    assert curves["mix1"] == pytest.approx(curves["hard"], rel=1e-4, abs=1e-5)
+    for key, want in weights["hard"].items():
+        torch.testing.assert_close(weights["mix1"][key], want, rtol=1e-4, atol=1e-5)
+    assert curves["soft"] != pytest.approx(curves["hard"], rel=1e-4, abs=1e-5)
