@@ -21,7 +21,7 @@ from flashdraft.data.loops import loop_start
 from flashdraft.data.sources import KINDS
 from flashdraft.eval.report import steps_before
 from flashdraft.eval.speculative import DecodeResult
-from flashdraft.train.config import flatten
+from flashdraft.train.config import as_recorded_now, flatten
 
 # `bench/quality.py --loops`: where each setting's prepared data and its stage marker live
 PREPARED = {"keep": ("data", "prepare"), "untrain": ("data-loops", "prepare-loops")}
@@ -389,9 +389,11 @@ def run_row(out: Path, run: str) -> dict[str, Any]:
     summary = collect(out, run)
     metrics = summary["metrics"]
     train = summary["train"] or {}
+    recorded = train.get("settings", {}).get("run", {})
+    # keys added since an older run: their defaults, so they do not show as differences
     recipe = {
         k: v
-        for k, v in flatten(train.get("settings", {}).get("run", {})).items()
+        for k, v in flatten(as_recorded_now(recorded) if recorded else {}).items()
         if not k.startswith(_NOT_RECIPE)
     }
     times = [r["step_s"] for r in metrics if isinstance(r.get("step_s"), float)]

@@ -144,8 +144,7 @@ def mix_argmax(ids: Tensor, probs: Tensor, argmax: Tensor, share: float) -> Tens
     mass 1 - share (the soft loss takes any mass)."""
     if not share:
         return probs
-    hit = (ids == argmax[..., None]).to(probs.dtype)
-    hit = hit / hit.sum(dim=-1, keepdim=True).clamp(min=1)  # one id, even if topk repeats ties
+    hit = (ids == argmax[..., None]).to(probs.dtype)  # one id at most: topk ids are distinct
     return (1.0 - share) * probs + share * hit
 
 

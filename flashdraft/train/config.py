@@ -366,6 +366,17 @@ def resume_safe_keys(cls: type = RunConfig, prefix: str = "") -> set[str]:
     return keys
 
 
+def as_recorded_now(previous: dict[str, Any]) -> dict[str, Any]:
+    """A run config a run recorded, as this version would record it: ints given for floats
+    made floats, keys added since filled with their defaults (a new key's default is the
+    behaviour before it); as recorded when it cannot be built (written by a version with
+    other keys)."""
+    try:
+        return cfg.to_dict(cfg.build(RunConfig, previous))
+    except ValueError:
+        return previous
+
+
 def resume_changes(
     previous: dict[str, Any],
     config: RunConfig,
@@ -379,10 +390,7 @@ def resume_changes(
     the global batch, `rows_per_step` (before, now; before is None when not recorded), stays
     the same; any other change is refused with a ValueError listing them all, unless `allow`
     (`--allow-config-change`)."""
-    try:  # normalised as a config (ints given for floats, defaults of keys added since)
-        before = flatten(cfg.to_dict(cfg.build(RunConfig, previous)))
-    except ValueError:  # written by a version with other keys: compare as recorded
-        before = flatten(previous)
+    before = flatten(as_recorded_now(previous))
     now = flatten(config.to_dict())
     missing = object()
     changes = {

@@ -7,7 +7,9 @@ Per trained slot the loss is KL(p || q), q = softmax(head(h)) the drafter's dist
 p the label's: one-hot on the target's argmax (or the data token), where the KL is the
 cross-entropy; or, with `loss.labels = "soft"`, the target's top-k distribution
 renormalised, where it is the soft cross-entropy minus the entropy of p (a constant: the
-same gradient, and 0 at a perfect match, so `loss` means the same thing in both cases).
+same gradient, and 0 at a perfect match, so `loss` means the same thing in both cases);
+with `loss.argmax_mix` = m, p = (1 - m) top-k + m one-hot(argmax) (made with the labels,
+`features.target_outputs`), so the logged loss depends on m too.
 
 Slot weights (`loss.weighting`):
 * decay (DFlash paper): w_k = exp(-(k-1)/gamma); loss = sum(w_k m KL) / sum(w_k m).

@@ -33,6 +33,7 @@ class DraftBatch:
     next_tokens: Tensor  # [R, A, B-1] label token of each trained slot
     soft_ids: Tensor | None = None  # [R, A, B-1, k] soft labels (`loss.labels = "soft"`):
     soft_probs: Tensor | None = None  # [R, A, B-1, k] the target's top k, renormalised
+    # (with `loss.argmax_mix` = m: (1 - m) of that + m on the argmax)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBatch:
         moved: dict[str, Any] = {}

@@ -3,6 +3,7 @@ it receives, and the target's head surviving its trip over the wire."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -105,6 +106,14 @@ def test_the_local_source_is_the_target_forward_of_the_row(
     batch = draft_batch(source, [row], put)
     assert batch.soft is not None and torch.equal(batch.soft[0], out.soft_ids)
     assert torch.equal(batch.next_tokens, out.next_tokens)
+    # `loss.argmax_mix`: the same top 5, half their mass moved onto the argmax.
+    mixed_loss = dataclasses.replace(config.loss, argmax_mix=0.5)
+    mixed = target_outputs(target, [row], on_device, put, mixed_loss, 8)
+    assert mixed.soft_ids is not None and mixed.soft_probs is not None
+    assert torch.equal(mixed.soft_ids, out.soft_ids)
+    on_argmax = (out.soft_ids == out.next_tokens[..., None]).float()
+    assert torch.equal(on_argmax.sum(-1), torch.ones(labels_shape))  # always among the top 5
+    torch.testing.assert_close(mixed.soft_probs, 0.5 * out.soft_probs + 0.5 * on_argmax)
 
 
 @pytest.mark.parametrize("labels", ["target", "soft"])

@@ -120,3 +120,4 @@ def test_the_argmax_mix_is_a_share_of_soft_labels_only() -> None:
         load_run_config(None, [*base, "loss.argmax_mix=0.5"])  # hard labels: nothing to mix
     with pytest.raises(cfg.ConfigError, match=r"loss\.argmax_mix"):
         load_run_config(None, [*soft, "loss.argmax_mix=1.5"])
+    assert "loss.argmax_mix" not in resume_safe_keys()  # it changes what is trained
