@@ -389,13 +389,9 @@ def run_row(out: Path, run: str) -> dict[str, Any]:
     summary = collect(out, run)
     metrics = summary["metrics"]
     train = summary["train"] or {}
-    recorded = train.get("settings", {}).get("run", {})
     # keys added since an older run: their defaults, so they do not show as differences
-    recipe = {
-        k: v
-        for k, v in flatten(as_recorded_now(recorded) if recorded else {}).items()
-        if not k.startswith(_NOT_RECIPE)
-    }
+    recorded = as_recorded_now(train.get("settings", {}).get("run", {}))
+    recipe = {k: v for k, v in flatten(recorded).items() if not k.startswith(_NOT_RECIPE)}
     times = [r["step_s"] for r in metrics if isinstance(r.get("step_s"), float)]
     step_s = statistics.median(times) if times else None
     return {

@@ -162,8 +162,8 @@ def target_outputs(
     """The target's side of R rows in one forward: taps [R, T, K*H] and next tokens
     [R, A, B-1], the labels from the target's own predictions or, with `loss.labels =
     "data"`, from the rows' tokens; with `loss.labels = "soft"` also the target's top-k soft
-    labels [R, A, B-1, k], `loss.argmax_mix` of their mass moved onto the argmax. Shared by the colocated trainer and the split placement's target
-    ranks."""
+    labels [R, A, B-1, k], `loss.argmax_mix` of their mass moved onto the argmax. Shared by
+    the colocated trainer and the split placement's target ranks."""
     ids, positions, docs, anchors = on_device
     label_pos = label_index = None
     if loss.labels != "data":
