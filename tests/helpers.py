@@ -295,3 +295,18 @@ def rows_by_part(result: dict) -> tuple[int, ...]:
     """A bench result's rows of each timed part, in `BENCH_PARTS` order (a part it lacks: 0)."""
     rows = {r["what"]: r["rows"] for r in result["results"]}
     return tuple(rows.get(part, 0) for part in BENCH_PARTS)
+
+
+def speculators_oracle(module: str = "speculators") -> ModuleType:
+    """speculators (the peer, a test oracle; `make test` installs it) or a skip where it is not
+    installed at all. Installed but failing to import (a dependency missing) is an error, not
+    a skip: the oracle tests must not vanish silently from a run that meant to have them."""
+    from importlib import metadata
+
+    import pytest
+
+    try:
+        metadata.version("speculators")
+    except metadata.PackageNotFoundError:
+        pytest.skip("speculators is not installed (make test installs it: the Makefile's ORACLES)")
+    return importlib.import_module(module)

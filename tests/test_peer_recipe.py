@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import bench_modules
+from helpers import bench_modules, speculators_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,7 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     loss falls, its labels are the target's argmax, its own checkpoint and the dflash export
     load through flashdraft's loader as the same drafter, the held-out eval runs; a second
     call finds the training done and only evaluates."""
-    pytest.importorskip("speculators")
+    speculators_oracle()
     from flashdraft.train.checkpoint import load_drafter
 
     out = tmp_path / "p"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_config, tiny_head
+from helpers import speculators_oracle, tiny_config, tiny_head
 
 from flashdraft.train.blocks import slot_weights
 from flashdraft.train.config import LossSection
@@ -401,11 +401,11 @@ def test_dpace_weights_follow_the_drafters_confidence() -> None:
 
 
 def test_dpace_weights_are_speculators_own() -> None:
-    """The oracle (speculators installed, e.g. PYTHONPATH=/tmp/specsite as in dev/LOG.md):
+    """The oracle (speculators, which `make test` installs):
     `dpace_weights` over slots 1..B-1 equals speculators' `dpace_loss_decay` over whole
     blocks (slot 0 untrained there), for any confidence, trained mask and smoothing; the
     peer comparisons rest on the two being one formula."""
-    utils = pytest.importorskip("speculators.losses.utils")
+    utils = speculators_oracle("speculators.losses.utils")
     gen = torch.Generator().manual_seed(8)
     blocks, size = 64, 16
     for alpha in (0.0, 0.5, 0.9):

@@ -1,0 +1,248 @@
+"""flashdraft's training step with the peer's settings is speculators' DFlash step, numerically.
+
+The oracle is speculators 0.9.0 itself (`make test` installs it; skipped where it is not
+installed). Both models get the same weights, the same packed
+row, the same target features and the same anchors (speculators draws its own inside its
+forward: `select_anchors` is replaced by the chosen ones); flashdraft trains with the peer's
+loss (`loss.weighting = "dpace"`, `loss.labels = "target"`). In fp32 on the CPU the two must
+then give the same loss and gradients, and the two optimizers, fed the same gradients, the
+same weights: what remains between a flashdraft run and the peer's is the settings (and
+where the two differ on purpose: a block that runs into the next document, below).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import bench_modules, speculators_oracle
+
+from flashdraft import assets
+from flashdraft.model.attention import default_backend
+from flashdraft.model.config import DrafterConfig
+from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.head import TargetHead
+from flashdraft.train.config import LossSection, OptimSection
+from flashdraft.train.loss import loss_slot_weights
+from flashdraft.train.optim import build_optimizer
+from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss, labels_and_mask
+
+BLOCK, LAYERS, ANCHORS = 16, 2, 10
+CPU = torch.device("cpu")
+# (start, end, prompt tokens) of each packed document; every prompt at least a block long
+DOCS = [(0, 48, 16), (48, 110, 16), (110, 160, 18)]
+
+
+class Pair:
+    """speculators' `DFlashDraftModel` and flashdraft's drafter with the same weights, and one
+    packed row with its features, labels and anchors (valid under both anchor rules)."""
+
+    def __init__(self, root: Path, docs: list[tuple[int, int, int]]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        peer: Any = bench_modules("peer_recipe")["peer_recipe"]
+        self.peer = peer
+        target_dir = assets.tiny_qwen3(root / "target")
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        config = DrafterConfig.from_target_config(
+            target.config, mask_token_id=151643, num_layers=LAYERS, block_size=BLOCK
+        )
+        length = docs[-1][1]
+        self.flat = peer.speculators_settings()
+        self.flat.update(
+            num_layers=LAYERS,
+            block_size=BLOCK,
+            target_layer_ids=[i + 1 for i in config.target_layer_ids],
+            mask_token_id=config.mask_token_id,
+            draft_vocab_size=config.vocab_size,
+            verifier_name_or_path=str(target_dir),
+            max_anchors=ANCHORS,
+            total_seq_len=length,
+            draft_attn_impl="sdpa",
+            loss_implementation="eager",
+        )
+        torch.manual_seed(0)
+        self.theirs = peer.build_peer_model(self.flat, config, CPU)
+        self.ours = DFlashDrafter(config)
+        self.sync()
+        self.head = TargetHead.from_model(target)
+
+        gen = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 5000, (1, length), generator=gen)
+        self.positions = torch.zeros(1, length, dtype=torch.long)
+        self.doc_ids = torch.zeros(1, length, dtype=torch.long)
+        self.loss_mask = torch.zeros(1, length, dtype=torch.int8)
+        for d, (start, end, prompt) in enumerate(docs):
+            self.positions[0, start:end] = torch.arange(end - start)
+            self.doc_ids[0, start:end] = d
+            self.loss_mask[0, start + prompt : end] = 1
+        taps, hidden = len(config.target_layer_ids), config.hidden_size
+        self.taps = torch.randn(1, length, taps * hidden, generator=gen)
+        self.last = torch.randn(1, length, hidden, generator=gen) * 2
+        # flashdraft's anchors need loss_mask[a+1] in a's document, speculators' loss_mask[a]
+        # and a < T - B: both hold here; two padding anchors, invalid on both sides.
+        m, d = self.loss_mask[0], self.doc_ids[0]
+        both = [a for a in range(length - BLOCK) if m[a] and m[a + 1] and d[a] == d[a + 1]]
+        chosen = torch.tensor(both)[torch.randperm(len(both), generator=gen)[: ANCHORS - 2]]
+        self.anchors = torch.zeros(ANCHORS, dtype=torch.long)
+        self.valid = torch.zeros(ANCHORS, dtype=torch.bool)
+        self.anchors[: ANCHORS - 2], self.valid[: ANCHORS - 2] = chosen.sort().values, True
+        with torch.no_grad():  # flashdraft's labels: the target's argmax at a + k - 1
+            normed = target.model.norm(self.last)
+        where = self.anchors[:, None] + torch.arange(BLOCK - 1)[None]
+        self.next_tokens = self.head.argmax_at(normed, where[None], 4096)
+
+    def sync(self) -> None:
+        """flashdraft's drafter takes speculators' draft weights (the serving names on both)."""
+        mine = self.ours.state_dict()
+        self.ours.load_state_dict({k: v for k, v in self.theirs.state_dict().items() if k in mine})
+
+    def batch(self) -> DraftBatch:
+        return DraftBatch(
+            input_ids=self.ids,
+            position_ids=self.positions,
+            doc_ids=self.doc_ids,
+            loss_mask=self.loss_mask,
+            anchors=self.anchors[None],
+            anchor_valid=self.valid[None],
+            target_hidden=self.taps,
+            next_tokens=self.next_tokens,
+        )
+
+    def their_step(self, monkeypatch: pytest.MonkeyPatch) -> tuple[float, dict[str, Any]]:
+        """speculators' loss and gradients, its anchors replaced by ours."""
+        core = speculators_oracle("speculators.models.dflash.core")
+        chosen = (self.anchors.clone(), self.valid.clone())
+        monkeypatch.setattr(core, "select_anchors", lambda mask, n, block: chosen)
+        self.theirs.zero_grad(set_to_none=True)
+        kwargs, _ = type(self.theirs).get_trainer_kwargs(**self.flat)
+        _, loss, _ = self.theirs(
+            hidden_states=self.taps,
+            input_ids=self.ids,
+            loss_mask=self.loss_mask,
+            verifier_last_hidden_states=self.last,
+            document_ids=self.doc_ids,
+            position_ids=self.positions,
+            **kwargs,
+        )
+        loss.backward()
+        return float(loss.detach()), self.grads(self.theirs)
+
+    def our_step(self) -> tuple[float, dict[str, Any]]:
+        """flashdraft's loss and gradients with the peer's loss (D-PACE, hard labels)."""
+        self.ours.zero_grad(set_to_none=True)
+        batch = self.batch()
+        slot_w = loss_slot_weights(LossSection(weighting="dpace", labels="target"), BLOCK)
+        normaliser = batch_normaliser(batch, BLOCK, slot_w)
+        backend = default_backend(CPU)
+        loss, _ = draft_loss(
+            self.ours, self.head, batch, slot_w, normaliser, backend, 4096, dpace_alpha=0.5
+        )
+        loss.backward()
+        return float(loss.detach()), self.grads(self.ours)
+
+    def grads(self, model: torch.nn.Module) -> dict[str, Any]:
+        mine = self.ours.state_dict()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if k in mine}
+
+    def their_trained_slots(self) -> torch.Tensor:
+        """[A, B] speculators' trained-slot mask of the row (`_backbone_forward`'s)."""
+        core = speculators_oracle("speculators.models.dflash.core")
+        with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+            chosen = (self.anchors.clone(), self.valid.clone())
+            patch.setattr(core, "select_anchors", lambda mask, n, block: chosen)
+            out = self.theirs._backbone_forward(
+                self.taps,
+                self.ids,
+                self.loss_mask,
+                self.last,
+                self.doc_ids,
+                self.positions,
+                max_anchors=ANCHORS,
+            )
+        return out[3].view(ANCHORS, BLOCK).bool()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    speculators_oracle()
+    return Pair(tmp_path_factory.mktemp("peer_step"), DOCS)
+
+
+def relative(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """The worst parameter's |ours - theirs| / |theirs| (norms over the whole tensor)."""
+    assert sorted(ours) == sorted(theirs)
+    return max(float((ours[k] - theirs[k]).norm() / theirs[k].norm()) for k in theirs)
+
+
+def test_the_peer_loss_gives_speculators_loss_and_gradients(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same trained slots, labels, block states, loss and gradient of every draft weight
+    (fp32; the D-PACE normaliser differs by speculators' + 1e-5 only)."""
+    pair.sync()
+    _, mask = labels_and_mask(pair.batch(), BLOCK)
+    assert torch.equal(mask[0].bool(), pair.their_trained_slots())
+    assert int(mask.sum()) > 60  # a real comparison: most slots of 8 blocks are trained
+    their_loss, theirs = pair.their_step(monkeypatch)
+    our_loss, ours = pair.our_step()
+    assert our_loss == pytest.approx(their_loss, rel=1e-5)
+    assert sorted(ours) == sorted(k for k, _ in pair.ours.named_parameters())  # all of them
+    assert relative(ours, theirs) < 1e-5
+
+
+def test_a_block_into_the_next_document_is_where_the_two_differ(tmp_path: Path) -> None:
+    """The one difference on purpose (SPEC: a block never trains past its document): with a
+    prompt shorter than a block, speculators also trains the slots that land in the next
+    document's answer; flashdraft gives them weight 0. Nothing else differs."""
+    speculators_oracle()
+    short = Pair(tmp_path, [(0, 48, 12), (48, 110, 16), (110, 160, 6)])
+    ours = labels_and_mask(short.batch(), BLOCK)[1][0].bool()
+    theirs = short.their_trained_slots()
+    slot = short.anchors[:, None] + torch.arange(BLOCK)[None]
+    crossing = short.doc_ids[0, slot.clamp(max=159)] != short.doc_ids[0, short.anchors][:, None]
+    crossing &= short.valid[:, None]
+    assert (theirs & ~ours).any()  # the case occurs in this row
+    assert torch.equal(theirs & ~ours, theirs & crossing)
+    assert torch.equal(ours, theirs & ~crossing)
+
+
+def test_the_peer_optimizer_settings_give_speculators_update(pair: Pair) -> None:
+    """Fed the same (clipped) gradients, flashdraft's Muon + AdamW with the peer's settings
+    (`optim.betas = [0.9, 0.999]`, `optim.weight_decay = 0.01`, Muon's momentum 0.95 and
+    weight decay 0.1) move every weight as speculators' `torch.optim.Muon` + `AdamW` do; with
+    flashdraft's own AdamW settings the norms move otherwise (the comparison can fail)."""
+
+    def moves(optim: OptimSection) -> float:
+        pair.sync()
+        start = {k: v.clone() for k, v in pair.ours.state_dict().items()}
+        ours = build_optimizer(pair.ours, optim, CPU)
+        theirs, _ = pair.peer.build_optimizers(pair.theirs, pair.flat, 10)
+        worst = 0.0
+        for lr in (2e-4, 1e-3, 5e-4):
+            with pytest.MonkeyPatch.context() as patch:
+                pair.their_step(patch)  # speculators' gradients, in its parameters
+            torch.nn.utils.clip_grad_norm_(list(pair.theirs.parameters()), 1.0)
+            named = dict(pair.ours.named_parameters())
+            for k, p in pair.theirs.named_parameters():
+                if k in named:
+                    named[k].grad = p.grad.clone()
+            for optimizer in [*theirs, *ours]:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            for optimizer in [*theirs, *ours]:
+                optimizer.step()
+            mine = pair.ours.state_dict()
+            peer = {k: v for k, v in pair.theirs.state_dict().items() if k in mine}
+            moved = {k: peer[k] - start[k] for k in mine}
+            worst = max(
+                worst,
+                max(float((mine[k] - peer[k]).norm() / moved[k].norm()) for k in mine),
+            )
+        return worst
+
+    peer_settings = dict(optimizer="muon", lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1)
+    assert moves(OptimSection(**peer_settings, betas=[0.9, 0.999], weight_decay=0.01)) < 1e-4
+    assert moves(OptimSection(**peer_settings)) > 1e-2  # flashdraft's defaults: 0.95, no decay
