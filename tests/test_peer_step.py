@@ -245,4 +245,4 @@ def test_the_peer_optimizer_settings_give_speculators_update(pair: Pair) -> None
 
     peer_settings = dict(optimizer="muon", lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1)
     assert moves(OptimSection(**peer_settings, betas=[0.9, 0.999], weight_decay=0.01)) < 1e-4
-    assert moves(OptimSection(**peer_settings)) > 1e-2  # flashdraft's defaults: 0.95, no decay
+    assert moves(OptimSection(**peer_settings)) > 1e-3  # flashdraft's defaults: 0.95, no decay
