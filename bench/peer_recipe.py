@@ -215,20 +215,27 @@ def build_peer_model(flat: dict[str, Any], drafter: DrafterConfig, device: torch
     return model.to(device)  # fp32 masters: the Trainer runs under autocast (trainer.py l. 539)
 
 
-def build_optimizers(model: Any, flat: dict[str, Any], steps: int) -> tuple[list[Any], list[Any]]:
-    """speculators' optimizers and LR schedulers for a run of `steps` steps, as its
-    `Trainer.setup_optimizer` (trainer.py l. 397-432) builds them from the `TrainerConfig`
-    its cli.py (l. 742) fills from the flat settings."""
-    from speculators.train.optimizers import build_optimizers as speculators_optimizers
-    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
-    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+def trainer_config_of(flat: dict[str, Any], steps: int) -> Any:
+    """The `TrainerConfig` speculators' cli.py (l. 742) fills from the flat settings, for a
+    run of `steps` steps."""
+    from speculators.train.trainer import TrainerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         passed = ("lr", "optimizer", "weight_decay", "scheduler_type")
         passed += tuple(k for k in flat if k.startswith(("muon_", "scheduler_")))
-        trainer_config = TrainerConfig(
+        return TrainerConfig(
             num_epochs=1, save_path=tmp, max_steps=steps, **{k: flat[k] for k in set(passed)}
         )
+
+
+def build_optimizers(model: Any, flat: dict[str, Any], steps: int) -> tuple[list[Any], list[Any]]:
+    """speculators' optimizers and LR schedulers for a run of `steps` steps, as its
+    `Trainer.setup_optimizer` (trainer.py l. 397-432) builds them from its `TrainerConfig`."""
+    from speculators.train.optimizers import build_optimizers as speculators_optimizers
+    from speculators.train.trainer import _resolve_scheduler_steps
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    trainer_config = trainer_config_of(flat, steps)
     optimizers = speculators_optimizers(model, trainer_config)
     if trainer_config.scheduler_type == "none":
         return optimizers, []
@@ -241,6 +248,54 @@ def build_optimizers(model: Any, flat: dict[str, Any], steps: int) -> tuple[list
             get_cosine_schedule_with_warmup(o, warmup, total, num_cycles=cycles) for o in optimizers
         ]
     return optimizers, schedulers
+
+
+def flashdraft_overrides(flat: dict[str, Any], steps: int) -> list[str]:
+    """speculators' training step as flashdraft settings (`--set KEY=VALUE` words over the
+    `smollm2-135m` preset), for a run of `steps` steps: its loss (D-PACE over the
+    cross-entropy on the target's argmax), its optimizers (Muon on the matrices, torch's
+    AdamW with its default betas on the rest), its schedule (linear to 0 after its warmup)
+    and its clipping (1.0, trainer.py l. 551). With them, flashdraft's step computes
+    speculators' loss, gradients and update (tests/test_peer_step.py); what is left between
+    two such runs is the random draws (init, anchors) and the anchor rule. A setting this
+    mapping cannot express is a ValueError naming it."""
+    from speculators.train.trainer import _resolve_scheduler_steps
+
+    unsupported = {
+        "loss_fn": ("ce",),
+        "per_position_loss_weight": ("dpace",),
+        "optimizer": ("muon",),
+        "muon_adjust_lr_fn": ("match_rms_adamw",),
+        "muon_ns_steps": (5,),
+        "scheduler_type": ("linear",),
+    }
+    for key, allowed in unsupported.items():
+        if flat.get(key) not in allowed:
+            raise ValueError(f"speculators' {key} = {flat.get(key)!r}: only {allowed} is mapped")
+    if flat["muon_lr"] != flat["lr"]:
+        raise ValueError(f"muon_lr {flat['muon_lr']} != lr {flat['lr']}: flashdraft has one lr")
+    warmup, total = _resolve_scheduler_steps(trainer_config_of(flat, steps), steps)
+    # speculators' AdamW (optimizers.py l. 106) takes torch's default betas and epsilon
+    adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+    (beta1, beta2), eps = adamw["betas"], adamw["eps"]
+    if total != steps:
+        raise ValueError(f"speculators' schedule spans {total} steps, the run {steps}")
+    return [
+        "loss.weighting=dpace",
+        f"loss.dpace_alpha={flat['dpace_alpha']}",
+        "loss.labels=target",
+        "optim.optimizer=muon",
+        f"optim.lr={flat['lr']}",
+        f"optim.muon_momentum={flat['muon_momentum']}",
+        f"optim.muon_weight_decay={flat['muon_weight_decay']}",
+        f"optim.betas=[{beta1},{beta2}]",
+        f"optim.eps={eps}",
+        f"optim.weight_decay={flat['weight_decay']}",
+        "optim.schedule=linear",
+        "optim.min_lr_ratio=0.0",
+        f"optim.warmup_steps={warmup}",
+        "optim.grad_clip=1.0",
+    ]
 
 
 # ---- training: flashdraft's rows and taps, speculators' step -----------------------------

@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 from torch import nn
 
@@ -301,10 +303,6 @@ def speculators_oracle(module: str = "speculators") -> ModuleType:
     """speculators (the peer, a test oracle; `make test` installs it) or a skip where it is not
     installed at all. Installed but failing to import (a dependency missing) is an error, not
     a skip: the oracle tests must not vanish silently from a run that meant to have them."""
-    from importlib import metadata
-
-    import pytest
-
     try:
         metadata.version("speculators")
     except metadata.PackageNotFoundError:

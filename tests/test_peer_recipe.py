@@ -232,3 +232,23 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert [e["tau"] for e in resumed["eval"].values()] == [
         e["tau"] for e in result["eval"].values()
     ]
+
+
+def test_the_peer_step_settings_are_the_device_plans(bench: dict[str, ModuleType]) -> None:
+    """`flashdraft_overrides` (speculators' step as flashdraft settings, which
+    tests/test_peer_step.py holds to speculators itself) for the 2-epoch runs' 4,626 steps
+    gives the words of run `pe` in dev/LOG.md's newest device plan; a setting it cannot map
+    is a one-line error naming it."""
+    speculators_oracle()
+    peer = bench["peer_recipe"]
+    flat = peer.speculators_settings()
+    words = peer.flashdraft_overrides(flat, 4626)
+    log = (ROOT / "dev" / "LOG.md").read_text()
+    plan = next(line for line in log.splitlines() if 'ABLATIONS="pe ' in line)
+    pe = plan.split('ABLATIONS="pe ')[1].split(";")[0].split()
+    assert pe == ["optim.epochs=2", "eval.every=0", *words]
+    assert "optim.betas=[0.9,0.999]" in words and "optim.warmup_steps=46" in words
+    with pytest.raises(ValueError, match="loss_fn = 'kl_div'"):
+        peer.flashdraft_overrides({**flat, "loss_fn": "kl_div"}, 4626)
+    with pytest.raises(ValueError, match="one lr"):
+        peer.flashdraft_overrides({**flat, "muon_lr": 2e-3}, 4626)

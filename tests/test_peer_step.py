@@ -1,35 +1,56 @@
 """flashdraft's training step with the peer's settings is speculators' DFlash step, numerically.
 
 The oracle is speculators 0.9.0 itself (`make test` installs it; skipped where it is not
-installed). Both models get the same weights, the same packed
-row, the same target features and the same anchors (speculators draws its own inside its
-forward: `select_anchors` is replaced by the chosen ones); flashdraft trains with the peer's
-loss (`loss.weighting = "dpace"`, `loss.labels = "target"`). In fp32 on the CPU the two must
-then give the same loss and gradients, and the two optimizers, fed the same gradients, the
-same weights: what remains between a flashdraft run and the peer's is the settings (and
-where the two differ on purpose: a block that runs into the next document, below).
+installed). The peer's settings are `bench/peer_recipe.py`'s `flashdraft_overrides` (its
+loss, optimizers, schedule and clipping as `--set` words) over the `smollm2-135m` preset,
+as a device run of them gets them. Both models get the same weights, the same packed row,
+the same target features and the same anchors (speculators draws its own inside its
+forward: `select_anchors` is replaced by the chosen ones). In fp32 on the CPU the two must
+then give the same trained slots, labels, block states, loss and gradients; the two
+optimizers, fed the same gradients, the same weights; the two schedules the same learning
+rates. What then remains between a flashdraft run of these settings and the peer's is the
+random draws (init, anchors), the anchor rule (s26: the same slots within 0.7%), the
+numerics of the GPU, and a block that runs into the next document (below).
+
+The labels here are flashdraft's head (`TargetHead.argmax_at`, what the target side calls)
+on the final-normed last layer; speculators computes its own from the same last layer, and
+the two are compared. The peer's smoke test (`test_peer_recipe.py`, slow) runs the whole
+target and checks the same agreement there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import bench_modules, speculators_oracle
+from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from flashdraft import assets
+from flashdraft import config as cfg
 from flashdraft.model.attention import default_backend
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.head import TargetHead
-from flashdraft.train.config import LossSection, OptimSection
-from flashdraft.train.loss import loss_slot_weights
+from flashdraft.train.config import RunConfig
+from flashdraft.train.loss import dpace_alpha_of, loss_slot_weights
 from flashdraft.train.optim import build_optimizer
-from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss, labels_and_mask
+from flashdraft.train.presets import smollm2_135m
+from flashdraft.train.schedule import lr_at
+from flashdraft.train.step import (
+    DraftBatch,
+    batch_normaliser,
+    draft_hidden,
+    draft_loss,
+    labels_and_mask,
+)
 
 BLOCK, LAYERS, ANCHORS = 16, 2, 10
+STEPS = 4626  # the 2-epoch runs' (s21, s25): the warmup is 1% of them
 CPU = torch.device("cpu")
 # (start, end, prompt tokens) of each packed document; every prompt at least a block long
 DOCS = [(0, 48, 16), (48, 110, 16), (110, 160, 18)]
@@ -40,8 +61,6 @@ class Pair:
     packed row with its features, labels and anchors (valid under both anchor rules)."""
 
     def __init__(self, root: Path, docs: list[tuple[int, int, int]]) -> None:
-        from transformers import AutoModelForCausalLM
-
         peer: Any = bench_modules("peer_recipe")["peer_recipe"]
         self.peer = peer
         target_dir = assets.tiny_qwen3(root / "target")
@@ -49,7 +68,7 @@ class Pair:
         config = DrafterConfig.from_target_config(
             target.config, mask_token_id=151643, num_layers=LAYERS, block_size=BLOCK
         )
-        length = docs[-1][1]
+        self.length = length = docs[-1][1]
         self.flat = peer.speculators_settings()
         self.flat.update(
             num_layers=LAYERS,
@@ -63,6 +82,9 @@ class Pair:
             draft_attn_impl="sdpa",
             loss_implementation="eager",
         )
+        preset = smollm2_135m(target=str(target_dir), datasets=("unused",), output="unused")
+        overrides = peer.flashdraft_overrides(self.flat, STEPS)
+        self.run: RunConfig = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), overrides))
         torch.manual_seed(0)
         self.theirs = peer.build_peer_model(self.flat, config, CPU)
         self.ours = DFlashDrafter(config)
@@ -111,7 +133,7 @@ class Pair:
             next_tokens=self.next_tokens,
         )
 
-    def their_step(self, monkeypatch: pytest.MonkeyPatch) -> tuple[float, dict[str, Any]]:
+    def their_step(self, monkeypatch: pytest.MonkeyPatch) -> tuple[float, dict[str, Tensor]]:
         """speculators' loss and gradients, its anchors replaced by ours."""
         core = speculators_oracle("speculators.models.dflash.core")
         chosen = (self.anchors.clone(), self.valid.clone())
@@ -130,30 +152,32 @@ class Pair:
         loss.backward()
         return float(loss.detach()), self.grads(self.theirs)
 
-    def our_step(self) -> tuple[float, dict[str, Any]]:
-        """flashdraft's loss and gradients with the peer's loss (D-PACE, hard labels)."""
+    def our_step(self) -> tuple[float, dict[str, Tensor]]:
+        """flashdraft's loss and gradients with the run's loss section (the peer's)."""
         self.ours.zero_grad(set_to_none=True)
         batch = self.batch()
-        slot_w = loss_slot_weights(LossSection(weighting="dpace", labels="target"), BLOCK)
+        slot_w = loss_slot_weights(self.run.loss, BLOCK)
         normaliser = batch_normaliser(batch, BLOCK, slot_w)
-        backend = default_backend(CPU)
+        backend, alpha = default_backend(CPU), dpace_alpha_of(self.run.loss)
+        chunk = self.run.loss.chunk_rows
         loss, _ = draft_loss(
-            self.ours, self.head, batch, slot_w, normaliser, backend, 4096, dpace_alpha=0.5
+            self.ours, self.head, batch, slot_w, normaliser, backend, chunk, dpace_alpha=alpha
         )
         loss.backward()
         return float(loss.detach()), self.grads(self.ours)
 
-    def grads(self, model: torch.nn.Module) -> dict[str, Any]:
+    def grads(self, model: torch.nn.Module) -> dict[str, Tensor]:
         mine = self.ours.state_dict()
         return {k: p.grad.clone() for k, p in model.named_parameters() if k in mine}
 
-    def their_trained_slots(self) -> torch.Tensor:
-        """[A, B] speculators' trained-slot mask of the row (`_backbone_forward`'s)."""
+    def their_blocks(self) -> tuple[Tensor, Tensor, Tensor]:
+        """speculators' trained-slot mask [A, B], labels [A, B] (its targets' argmax) and
+        final-normed block states [A * B, H] of the row (`_backbone_forward`'s)."""
         core = speculators_oracle("speculators.models.dflash.core")
         with pytest.MonkeyPatch.context() as patch, torch.no_grad():
             chosen = (self.anchors.clone(), self.valid.clone())
             patch.setattr(core, "select_anchors", lambda mask, n, block: chosen)
-            out = self.theirs._backbone_forward(
+            hidden, _, targets, mask, _ = self.theirs._backbone_forward(
                 self.taps,
                 self.ids,
                 self.loss_mask,
@@ -162,7 +186,8 @@ class Pair:
                 self.positions,
                 max_anchors=ANCHORS,
             )
-        return out[3].view(ANCHORS, BLOCK).bool()
+        shape = (ANCHORS, BLOCK)
+        return mask.view(shape).bool(), targets.argmax(-1).view(shape), hidden[0]
 
 
 @pytest.fixture(scope="module")
@@ -171,78 +196,97 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     return Pair(tmp_path_factory.mktemp("peer_step"), DOCS)
 
 
-def relative(ours: dict[str, Any], theirs: dict[str, Any]) -> float:
+def relative(ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> float:
     """The worst parameter's |ours - theirs| / |theirs| (norms over the whole tensor)."""
     assert sorted(ours) == sorted(theirs)
-    return max(float((ours[k] - theirs[k]).norm() / theirs[k].norm()) for k in theirs)
+    ratios = torch.stack([(ours[k] - theirs[k]).norm() / theirs[k].norm() for k in theirs])
+    assert torch.isfinite(ratios).all(), dict(zip(theirs, ratios.tolist(), strict=True))
+    return float(ratios.max())
 
 
 def test_the_peer_loss_gives_speculators_loss_and_gradients(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same trained slots, labels, block states, loss and gradient of every draft weight
-    (fp32; the D-PACE normaliser differs by speculators' + 1e-5 only)."""
+    (fp32; the D-PACE normaliser differs by speculators' + 1e-5 only), and speculators
+    trains no weight flashdraft's drafter does not have."""
     pair.sync()
-    _, mask = labels_and_mask(pair.batch(), BLOCK)
-    assert torch.equal(mask[0].bool(), pair.their_trained_slots())
-    assert int(mask.sum()) > 60  # a real comparison: most slots of 8 blocks are trained
+    labels, mask = labels_and_mask(pair.batch(), BLOCK)
+    their_mask, their_labels, their_hidden = pair.their_blocks()
+    trained = mask[0].bool()
+    assert torch.equal(trained, their_mask)
+    assert int(trained.sum()) > 60  # a real comparison: most slots of 8 blocks are trained
+    assert torch.equal(labels[0][trained], their_labels[trained])
+    with torch.no_grad():
+        hidden = draft_hidden(pair.ours, pair.head, pair.batch(), default_backend(CPU))
+    torch.testing.assert_close(hidden[0], their_hidden, rtol=1e-5, atol=1e-5)
     their_loss, theirs = pair.their_step(monkeypatch)
     our_loss, ours = pair.our_step()
     assert our_loss == pytest.approx(their_loss, rel=1e-5)
-    assert sorted(ours) == sorted(k for k, _ in pair.ours.named_parameters())  # all of them
+    trainable = {k for k, p in pair.theirs.named_parameters() if p.requires_grad}
+    assert trainable == {k for k, _ in pair.ours.named_parameters()}
     assert relative(ours, theirs) < 1e-5
 
 
 def test_a_block_into_the_next_document_is_where_the_two_differ(tmp_path: Path) -> None:
     """The one difference on purpose (SPEC: a block never trains past its document): with a
     prompt shorter than a block, speculators also trains the slots that land in the next
-    document's answer; flashdraft gives them weight 0. Nothing else differs."""
+    document's answer; flashdraft gives them weight 0. The masks differ nowhere else."""
     speculators_oracle()
     short = Pair(tmp_path, [(0, 48, 12), (48, 110, 16), (110, 160, 6)])
     ours = labels_and_mask(short.batch(), BLOCK)[1][0].bool()
-    theirs = short.their_trained_slots()
-    slot = short.anchors[:, None] + torch.arange(BLOCK)[None]
-    crossing = short.doc_ids[0, slot.clamp(max=159)] != short.doc_ids[0, short.anchors][:, None]
+    theirs = short.their_blocks()[0]
+    slot = (short.anchors[:, None] + torch.arange(BLOCK)[None]).clamp(max=short.length - 1)
+    crossing = short.doc_ids[0, slot] != short.doc_ids[0, short.anchors][:, None]
     crossing &= short.valid[:, None]
-    assert (theirs & ~ours).any()  # the case occurs in this row
-    assert torch.equal(theirs & ~ours, theirs & crossing)
+    assert (theirs & crossing).any()  # the case occurs in this row
     assert torch.equal(ours, theirs & ~crossing)
 
 
 def test_the_peer_optimizer_settings_give_speculators_update(pair: Pair) -> None:
-    """Fed the same (clipped) gradients, flashdraft's Muon + AdamW with the peer's settings
-    (`optim.betas = [0.9, 0.999]`, `optim.weight_decay = 0.01`, Muon's momentum 0.95 and
-    weight decay 0.1) move every weight as speculators' `torch.optim.Muon` + `AdamW` do; with
-    flashdraft's own AdamW settings the norms move otherwise (the comparison can fail)."""
+    """Fed the same (clipped) gradients, flashdraft's Muon + AdamW with the run's optimizer
+    section (the peer's: AdamW betas 0.9 / 0.999 and weight decay 0.01 on the norms, Muon's
+    momentum 0.95 and weight decay 0.1) move every weight as speculators' `torch.optim.Muon`
+    + `AdamW` do; with the preset's own AdamW settings (0.95, no decay) the norms move
+    otherwise (the comparison can fail)."""
 
-    def moves(optim: OptimSection) -> float:
+    def moves(optim: Any) -> float:
         pair.sync()
         start = {k: v.clone() for k, v in pair.ours.state_dict().items()}
         ours = build_optimizer(pair.ours, optim, CPU)
-        theirs, _ = pair.peer.build_optimizers(pair.theirs, pair.flat, 10)
+        theirs, _ = pair.peer.build_optimizers(pair.theirs, pair.flat, STEPS)
         worst = 0.0
         for lr in (2e-4, 1e-3, 5e-4):
             with pytest.MonkeyPatch.context() as patch:
                 pair.their_step(patch)  # speculators' gradients, in its parameters
-            torch.nn.utils.clip_grad_norm_(list(pair.theirs.parameters()), 1.0)
+            torch.nn.utils.clip_grad_norm_(list(pair.theirs.parameters()), optim.grad_clip)
             named = dict(pair.ours.named_parameters())
             for k, p in pair.theirs.named_parameters():
                 if k in named:
                     named[k].grad = p.grad.clone()
             for optimizer in [*theirs, *ours]:
-                for group in optimizer.param_groups:
+                for group in optimizer.param_groups:  # the schedules: the next test
                     group["lr"] = lr
-            for optimizer in [*theirs, *ours]:
                 optimizer.step()
             mine = pair.ours.state_dict()
             peer = {k: v for k, v in pair.theirs.state_dict().items() if k in mine}
-            moved = {k: peer[k] - start[k] for k in mine}
-            worst = max(
-                worst,
-                max(float((mine[k] - peer[k]).norm() / moved[k].norm()) for k in mine),
-            )
+            ahead = {k: mine[k] - start[k] for k in mine}
+            worst = max(worst, relative(ahead, {k: peer[k] - start[k] for k in mine}))
         return worst
 
-    peer_settings = dict(optimizer="muon", lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1)
-    assert moves(OptimSection(**peer_settings, betas=[0.9, 0.999], weight_decay=0.01)) < 1e-4
-    assert moves(OptimSection(**peer_settings)) > 1e-3  # flashdraft's defaults: 0.95, no decay
+    assert moves(pair.run.optim) < 5e-4  # measured 7.6e-6
+    own = dataclasses.replace(pair.run.optim, betas=[0.9, 0.95], weight_decay=0.0)
+    assert moves(own) > 5e-3  # measured 1.0e-2
+
+
+def test_the_peer_schedule_gives_speculators_learning_rates(pair: Pair) -> None:
+    """flashdraft's `lr_at` with the run's optimizer section against speculators' scheduler
+    (transformers' linear warmup and decay) over all 4,626 steps: the same after the warmup;
+    during it flashdraft is one step ahead (speculators' first step runs at lr 0)."""
+    _, schedulers = pair.peer.build_optimizers(pair.theirs, pair.flat, STEPS)
+    theirs = [pair.run.optim.lr * schedulers[0].lr_lambdas[0](s) for s in range(STEPS + 1)]
+    ours = [lr_at(s, STEPS, pair.run.optim) for s in range(STEPS)]
+    warmup = pair.run.optim.warmup_steps
+    assert warmup == STEPS // 100 == 46
+    assert ours[:warmup] == pytest.approx(theirs[1 : warmup + 1], rel=1e-9)
+    assert ours[warmup:] == pytest.approx(theirs[warmup:STEPS], rel=1e-9, abs=1e-15)

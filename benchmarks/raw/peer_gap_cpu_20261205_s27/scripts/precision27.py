@@ -11,7 +11,9 @@ each one's relative error against the reference, per parameter and over all, its
 and the loss to ../precision.json (and, for scale, the fp32 gradient's over another draw of
 256 anchors from the same row); prints all but the per-parameter errors.
 
-    PYTHONPATH=/tmp/specsite .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py
+    .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py
+
+(speculators in .venv, as `make test` installs it; the row is cached in /tmp.)
 """
 
 from __future__ import annotations
