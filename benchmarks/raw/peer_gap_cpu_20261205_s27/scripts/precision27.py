@@ -9,9 +9,13 @@ speculators in fp32 without autocast (the reference), speculators under CPU bf16
 (the peer's numerics), flashdraft under the same autocast (flashdraft's numerics). Writes
 each one's relative error against the reference, per parameter and over all, its cosine
 and the loss to ../precision.json (and, for scale, the fp32 gradient's over another draw of
-256 anchors from the same row); prints all but the per-parameter errors.
+256 anchors from the same row); prints all but the per-parameter errors. With
+`--fp32-diagnosis` it instead compares the two sides in fp32 on this row (trained slots,
+labels, block states, LM head, logits, loss, gradients, and flashdraft's LM-head chunking)
+and writes ../fp32_diag.txt.
 
     .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py
+    .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py --fp32-diagnosis
 
 (speculators in .venv, as `make test` installs it; the row is cached in /tmp.)
 """
@@ -35,10 +39,26 @@ from flashdraft.model.head import TargetHead  # noqa: E402
 from flashdraft.model.target import LayerTaps  # noqa: E402
 from flashdraft.train.config import LossSection  # noqa: E402
 from flashdraft.train.loss import loss_slot_weights  # noqa: E402
-from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss  # noqa: E402
+from flashdraft.train.step import (  # noqa: E402
+    DraftBatch,
+    batch_normaliser,
+    draft_hidden,
+    draft_loss,
+    labels_and_mask,
+)
 
 DOCS, ANSWER, ANCHORS, SEED = 8, 192, 256, 0
 CACHE = Path("/tmp/precision27_row.pt")
+
+
+def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours - theirs).norm() / theirs.norm())
+
+
+def overall(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """|ours - theirs| / |theirs| over all weights together."""
+    num = sum(float((ours[k] - theirs[k]).pow(2).sum()) for k in theirs)
+    return (num / sum(float(theirs[k].pow(2).sum()) for k in theirs)) ** 0.5
 
 
 def make_row(target_dir: Path, dc: object) -> dict[str, torch.Tensor]:
@@ -56,7 +76,9 @@ def make_row(target_dir: Path, dc: object) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             out = target.generate(prompt, max_new_tokens=ANSWER, do_sample=False, eos_token_id=2)
         n, p = out.shape[1], prompt.shape[1]
-        ids_l.append(out[0]); pos_l.append(torch.arange(n)); doc_l.append(torch.full((n,), d))
+        ids_l.append(out[0])
+        pos_l.append(torch.arange(n))
+        doc_l.append(torch.full((n,), d))
         mask_l.append(torch.cat([torch.zeros(p), torch.ones(n - p)]).to(torch.int8))
     ids = torch.cat(ids_l)[None]
     doc = torch.cat(doc_l)[None]
@@ -66,7 +88,8 @@ def make_row(target_dir: Path, dc: object) -> dict[str, torch.Tensor]:
         for d in range(DOCS):
             target(ids[:, doc[0] == d])
             every = taps.features()
-            feats.append(every[..., : -dc.hidden_size]); lasts.append(every[..., -dc.hidden_size :])
+            feats.append(every[..., : -dc.hidden_size])
+            lasts.append(every[..., -dc.hidden_size :])
     return {
         "ids": ids, "pos": torch.cat(pos_l)[None], "doc": doc, "mask": torch.cat(mask_l)[None],
         "features": torch.cat(feats, 1), "last": torch.cat(lasts, 1),
@@ -128,7 +151,9 @@ def main() -> None:
     kw, _ = type(sp).get_trainer_kwargs(**flat)
     slot_w = loss_slot_weights(LossSection(weighting="dpace"), B)
 
-    def grads(side: str, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    def grads(
+        side: str, autocast: bool, chunk: int = 4096
+    ) -> tuple[float, dict[str, torch.Tensor]]:
         model = sp if side == "speculators" else drafter
         model.zero_grad(set_to_none=True)
         h = features if autocast else features.float()
@@ -148,14 +173,57 @@ def main() -> None:
                 norm = batch_normaliser(batch, B, slot_w)
                 loss, _ = draft_loss(
                     drafter, head, batch, slot_w, norm, default_backend(torch.device("cpu")),
-                    4096, dpace_alpha=0.5,
+                    chunk, dpace_alpha=0.5,
                 )
         loss.backward()
         named = dict(model.named_parameters())
         return float(loss), {k: named[k].grad.detach().clone() for k in own}
 
+    if "--fp32-diagnosis" in sys.argv:
+        lines = [f"# {Path(__file__).name} --fp32-diagnosis (session 27): flashdraft fp32 vs"
+                 " speculators fp32 on this row"]
+        with torch.no_grad():
+            hs, _, targets, their_mask, _ = sp._backbone_forward(
+                features.float(), ids, mask, last.float(), doc, pos, max_anchors=len(pick)
+            )
+            batch = DraftBatch(
+                input_ids=ids, position_ids=pos, doc_ids=doc, loss_mask=mask,
+                anchors=anchors[None], anchor_valid=valid[None], target_hidden=features.float(),
+                next_tokens=next_tokens,
+            )
+            ours = draft_hidden(drafter, head, batch, default_backend(torch.device("cpu")))
+            labels, our_mask = labels_and_mask(batch, B)
+            probe = torch.randn(64, dc.hidden_size)
+            same_logits = torch.equal(head.logits(probe), sp.lm_head(probe))
+        trained = their_mask.view(len(pick), B).bool()
+        their_labels = targets.argmax(-1).view(len(pick), B)
+        lines += [
+            f"trained-slot masks equal: {torch.equal(our_mask[0].bool(), trained)}",
+            f"label mismatches at trained slots: {int((labels[0][trained] != their_labels[trained]).sum())}"
+            f" of {int(trained.sum())}",
+            f"block states equal: {torch.equal(ours, hs)}",
+            f"LM head equal: {torch.equal(sp.lm_head.weight, head.weight)}; embedding equal:"
+            f" {torch.equal(sp.embed_tokens.weight, target.model.embed_tokens.weight)};"
+            f" logits of 64 random states equal: {same_logits}",
+        ]
+        ref_loss, ref = grads("speculators", False)
+        fd_loss, fd = grads("flashdraft", False)
+        fd_512_loss, fd_512 = grads("flashdraft", False, chunk=512)
+        worst = sorted(((relative(fd[k], ref[k]), k) for k in ref), reverse=True)[:6]
+        lines += [
+            f"fp32 losses: speculators {ref_loss!r} flashdraft {fd_loss!r}"
+            f" (relative {abs(ref_loss - fd_loss) / ref_loss:.1e})",
+            f"fp32 gradients, all weights: relative {overall(fd, ref):.1e}; worst tensors:",
+            *(f"  {k}: {r:.2e}" for r, k in worst),
+            f"flashdraft, LM-head chunks of 512 vs 4096 rows: loss {fd_512_loss!r} vs {fd_loss!r},"
+            f" gradients relative {overall(fd_512, fd):.1e}",
+        ]
+        text = "\n".join(lines) + "\n"
+        (Path(__file__).resolve().parents[1] / "fp32_diag.txt").write_text(text)
+        print(text, end="")
+        return
     ref_loss, ref = grads("speculators", False)
-    fd32_loss, fd32 = grads("flashdraft", False)
+    _, fd32 = grads("flashdraft", False)
     results = {"T": T, "anchors": len(pick), "reference_loss": ref_loss}
     results["flashdraft_fp32_vs_reference"] = max(
         float((fd32[k] - ref[k]).norm() / ref[k].norm()) for k in ref
