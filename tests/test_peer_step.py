@@ -20,7 +20,9 @@ target and checks the same agreement there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,22 +135,29 @@ class Pair:
             next_tokens=self.next_tokens,
         )
 
-    def their_step(self, monkeypatch: pytest.MonkeyPatch) -> tuple[float, dict[str, Tensor]]:
-        """speculators' loss and gradients, its anchors replaced by ours."""
+    @contextlib.contextmanager
+    def our_anchors(self) -> Iterator[None]:
+        """speculators' `select_anchors` (called inside its forward) returns ours meanwhile."""
         core = speculators_oracle("speculators.models.dflash.core")
         chosen = (self.anchors.clone(), self.valid.clone())
-        monkeypatch.setattr(core, "select_anchors", lambda mask, n, block: chosen)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(core, "select_anchors", lambda mask, n, block: chosen)
+            yield
+
+    def their_step(self) -> tuple[float, dict[str, Tensor]]:
+        """speculators' loss and gradients on our anchors."""
         self.theirs.zero_grad(set_to_none=True)
         kwargs, _ = type(self.theirs).get_trainer_kwargs(**self.flat)
-        _, loss, _ = self.theirs(
-            hidden_states=self.taps,
-            input_ids=self.ids,
-            loss_mask=self.loss_mask,
-            verifier_last_hidden_states=self.last,
-            document_ids=self.doc_ids,
-            position_ids=self.positions,
-            **kwargs,
-        )
+        with self.our_anchors():
+            _, loss, _ = self.theirs(
+                hidden_states=self.taps,
+                input_ids=self.ids,
+                loss_mask=self.loss_mask,
+                verifier_last_hidden_states=self.last,
+                document_ids=self.doc_ids,
+                position_ids=self.positions,
+                **kwargs,
+            )
         loss.backward()
         return float(loss.detach()), self.grads(self.theirs)
 
@@ -173,10 +182,7 @@ class Pair:
     def their_blocks(self) -> tuple[Tensor, Tensor, Tensor]:
         """speculators' trained-slot mask [A, B], labels [A, B] (its targets' argmax) and
         final-normed block states [A * B, H] of the row (`_backbone_forward`'s)."""
-        core = speculators_oracle("speculators.models.dflash.core")
-        with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-            chosen = (self.anchors.clone(), self.valid.clone())
-            patch.setattr(core, "select_anchors", lambda mask, n, block: chosen)
+        with self.our_anchors(), torch.no_grad():
             hidden, _, targets, mask, _ = self.theirs._backbone_forward(
                 self.taps,
                 self.ids,
@@ -204,9 +210,7 @@ def relative(ours: dict[str, Tensor], theirs: dict[str, Tensor]) -> float:
     return float(ratios.max())
 
 
-def test_the_peer_loss_gives_speculators_loss_and_gradients(
-    pair: Pair, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_peer_loss_gives_speculators_loss_and_gradients(pair: Pair) -> None:
     """Same trained slots, labels, block states, loss and gradient of every draft weight
     (fp32; the D-PACE normaliser differs by speculators' + 1e-5 only), and speculators
     trains no weight flashdraft's drafter does not have."""
@@ -220,7 +224,7 @@ def test_the_peer_loss_gives_speculators_loss_and_gradients(
     with torch.no_grad():
         hidden = draft_hidden(pair.ours, pair.head, pair.batch(), default_backend(CPU))
     torch.testing.assert_close(hidden[0], their_hidden, rtol=1e-5, atol=1e-5)
-    their_loss, theirs = pair.their_step(monkeypatch)
+    their_loss, theirs = pair.their_step()
     our_loss, ours = pair.our_step()
     assert our_loss == pytest.approx(their_loss, rel=1e-5)
     trainable = {k for k, p in pair.theirs.named_parameters() if p.requires_grad}
@@ -257,8 +261,7 @@ def test_the_peer_optimizer_settings_give_speculators_update(pair: Pair) -> None
         theirs, _ = pair.peer.build_optimizers(pair.theirs, pair.flat, STEPS)
         worst = 0.0
         for lr in (2e-4, 1e-3, 5e-4):
-            with pytest.MonkeyPatch.context() as patch:
-                pair.their_step(patch)  # speculators' gradients, in its parameters
+            pair.their_step()  # speculators' gradients, in its parameters
             torch.nn.utils.clip_grad_norm_(list(pair.theirs.parameters()), optim.grad_clip)
             named = dict(pair.ours.named_parameters())
             for k, p in pair.theirs.named_parameters():
