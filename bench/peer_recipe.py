@@ -256,9 +256,10 @@ def flashdraft_overrides(flat: dict[str, Any], steps: int) -> list[str]:
     cross-entropy on the target's argmax), its optimizers (Muon on the matrices, torch's
     AdamW with its default betas on the rest), its schedule (linear to 0 after its warmup)
     and its clipping (1.0, trainer.py l. 551). With them, flashdraft's step computes
-    speculators' loss, gradients and update (tests/test_peer_step.py); what is left between
-    two such runs is the random draws (init, anchors) and the anchor rule. A setting this
-    mapping cannot express is a ValueError naming it."""
+    speculators' loss, gradients, update and learning rates (tests/test_peer_step.py); what
+    is left between two such runs is the random draws (init, anchors), the anchor rule and
+    the numerics (bf16 residual stream here, fp32 there). A setting this mapping cannot
+    express is a ValueError naming it."""
     from speculators.train.trainer import _resolve_scheduler_steps
 
     unsupported = {
@@ -275,11 +276,11 @@ def flashdraft_overrides(flat: dict[str, Any], steps: int) -> list[str]:
     if flat["muon_lr"] != flat["lr"]:
         raise ValueError(f"muon_lr {flat['muon_lr']} != lr {flat['lr']}: flashdraft has one lr")
     warmup, total = _resolve_scheduler_steps(trainer_config_of(flat, steps), steps)
+    if total != steps:
+        raise ValueError(f"speculators' schedule spans {total} steps, the run {steps}")
     # speculators' AdamW (optimizers.py l. 106) takes torch's default betas and epsilon
     adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
     (beta1, beta2), eps = adamw["betas"], adamw["eps"]
-    if total != steps:
-        raise ValueError(f"speculators' schedule spans {total} steps, the run {steps}")
     return [
         "loss.weighting=dpace",
         f"loss.dpace_alpha={flat['dpace_alpha']}",
