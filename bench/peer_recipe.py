@@ -111,6 +111,11 @@ class PeerRecipeConfig:
         "run's loss.anchors, the same budget). The s15 peer ran at 512, speculators' own "
         "default; the preset has 2048 since 2026-12-04, so --anchors 512 repeats that run",
     )
+    seed: int | None = option(
+        None,
+        help="speculators' seed (its init weights and anchor draws; default: its own, 42); "
+        "another seed measures the peer's own seed noise (the rows stay the flashdraft run's)",
+    )
     output: str = option("peer-recipe", metavar="DIR", help="every output goes here")
     eval_prompts: list[str] = option(
         factory=list,
@@ -193,6 +198,7 @@ def peer_overrides(
         # flex has no backward on the CPU: there speculators' dense-mask path (sdpa).
         "draft_attn_impl": "simple_flex_attention" if device.type == "cuda" else "sdpa",
         "loss_implementation": config.loss_implementation if device.type == "cuda" else "eager",
+        **({} if config.seed is None else {"seed": config.seed}),
     }
 
 

@@ -243,8 +243,11 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
   # log record, where a deadline can stop it with its state saved, came ~70 s in). The same
   # call again resumes it: a trained peer (its train.json) is checked against these settings
   # by peer_recipe, which then returns without training. Logs: DIR/peer.txt and
-  # DIR/peer_eval.txt. Carry .whl/peers in the first call that runs it.
-  local start=$1 budget=$2 min=$3 dir=$4 peer=$RUN_DIR/runs/peer-speculators left
+  # DIR/peer_eval.txt. Carry .whl/peers in the first call that runs it. PEER_NAME: the run
+  # folder (peer-speculators), e.g. PEER_NAME=peer-seed1 PEER_ARGS="--epochs 2 --seed 1" for
+  # a second peer beside the first (its seed noise; `compare --peer OUT/runs/peer-seed1`).
+  local start=$1 budget=$2 min=$3 dir=$4 name=${PEER_NAME:-peer-speculators} left
+  local peer=$RUN_DIR/runs/$name
   mkdir -p "$dir"
   if ls .whl/peers/*.whl > /dev/null 2>&1 \
     && ! $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1; then
@@ -270,7 +273,7 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
     echo "== peer eval: ${left} s left, not started; the next call evaluates" >> "$dir/peer.txt"
     return 0
   fi
-  run_quality "$dir/peer_eval.txt" $((left + 30)) "$dir" eval --run peer-speculators \
+  run_quality "$dir/peer_eval.txt" $((left + 30)) "$dir" eval --run "$name" \
     --deadline $((left - 20))
 }
 
@@ -487,7 +490,8 @@ peer)
   peer_and_eval "${CALL_START:-$(date +%s)}" "${PEER_DEADLINE:-555}" "${PEER_MIN:-150}" "$OUT"
   grep -v "Loading weights" "$OUT/peer.txt" | tail -n 12
   grep -h "^eval \|\"complete\"" "$OUT/peer_eval.txt" 2> /dev/null
-  cp "$RUN_DIR/runs/peer-speculators/report.json" "$OUT/peer_report.json" 2> /dev/null
+  cp "$RUN_DIR/runs/${PEER_NAME:-peer-speculators}/report.json" "$OUT/peer_report.json" \
+    2> /dev/null
   ;;
 peereval)
   # carry [".qpeer"]: the peer's dflash export (export_peer-speculators.tgz.part*, as `collect`

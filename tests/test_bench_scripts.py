@@ -334,6 +334,14 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
     assert again.startswith("quality eval --run peer-speculators")
     assert (tmp_path / "out" / "peer_report.json").exists()
     assert peer(PEER_DEADLINE="100") == []  # under PEER_MIN left: nothing starts
+    # a second peer beside the first (its seed noise): its own folder, its own eval
+    os.remove(tmp_path / "out" / "peer_report.json")
+    trained, evaluated = peer(PEER_NAME="peer-seed1", PEER_ARGS="--epochs 2 --seed 1")
+    assert trained.startswith("peer_recipe --epochs 2 --seed 1 ")
+    assert trained.endswith(f"--output {run_dir}/runs/peer-seed1")
+    assert evaluated.startswith("quality eval --run peer-seed1 --deadline ")
+    assert (run_dir / "runs" / "peer-speculators" / "report.json").exists()
+    assert (tmp_path / "out" / "peer_report.json").exists()
 
 
 def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:

@@ -69,7 +69,8 @@ def test_the_peers_anchors_are_the_runs_unless_given(
 ) -> None:
     """The peer draws as many anchors per row as the flashdraft run (the preset's 2048) unless
     `--anchors N` sets its own (512: speculators' default, what the s15 peer ran at); the
-    flashdraft side of the comparison is the same run either way."""
+    flashdraft side of the comparison is the same run either way. Its seed is speculators'
+    own (42, left in its settings) unless `--seed N` replaces it (the peer's seed noise)."""
     from types import SimpleNamespace
 
     import torch
@@ -81,7 +82,7 @@ def test_the_peers_anchors_are_the_runs_unless_given(
     )  # fmt: skip
     common = ["--target", "/models/smol", "--device", "cpu", "--data", str(tmp_path / "d")]
     got = {}
-    for extra in ([], ["--anchors", "512"]):
+    for extra in ([], ["--anchors", "512"], ["--seed", "7", "--anchors", "2048"]):
         config = peer.parse([*common, "--output", "o", *extra])
         assert config.data is not None
         run = peer.run_config(config, config.data, "/models/smol", "cpu")
@@ -91,6 +92,8 @@ def test_the_peers_anchors_are_the_runs_unless_given(
     assert {k: v for k, v in got[0].items() if k != "max_anchors"} == {
         k: v for k, v in got[2].items() if k != "max_anchors"
     }
+    assert "seed" not in got[0] and peer.speculators_settings()["seed"] == 42
+    assert got[4] == {**got[0], "seed": 7}
 
 
 def test_the_peer_is_evaluated_on_the_eval_stages_prompts(

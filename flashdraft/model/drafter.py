@@ -294,17 +294,21 @@ class DFlashDrafter(nn.Module):
         context_positions: Tensor,
         block_positions: Tensor,
         masks: dict[str, Mask | None],
+        residual_dtype: torch.dtype | None = None,
     ) -> Tensor:
         """Training path: all blocks of each row in one pass.
 
         target_hidden [R, T, K*H]; block_embeds [R, Q, H]; context_positions [R, T];
         block_positions [R, Q]; masks keyed by layer type. Returns final-normed [R, Q, H].
+        `residual_dtype` (e.g. fp32 under bf16 autocast): the dtype the residual stream is
+        summed in, and so the norms' outputs; the projections still compute in the autocast
+        dtype, and q, k, v stay in block_embeds' dtype. None: block_embeds' own.
         """
         ctx = self.fuse_context(target_hidden)
         dtype = block_embeds.dtype
         rope_ctx = self.rotary(context_positions, dtype)
         rope_q = self.rotary(block_positions, dtype)
-        x = block_embeds
+        x = block_embeds if residual_dtype is None else block_embeds.to(residual_dtype)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             x = layer(x, ctx, rope_ctx, rope_q, masks[layer.layer_type])

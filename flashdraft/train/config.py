@@ -108,6 +108,12 @@ class DrafterSection:
         None, help="warm start from a serving-format drafter (e.g. one of z-lab's)"
     )
     init_seed: int | None = option(None, help="seed of the initial weights; None: the run seed")
+    residual_dtype: Literal["auto", "float32"] = option(
+        "auto",
+        help="the training forward's residual stream: auto, the target's dtype (bf16 on CUDA); "
+        "float32 sums the layers' outputs in fp32, as speculators trains (exports run bf16 "
+        "either way)",
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)

@@ -67,11 +67,13 @@ def draft_hidden(
     batch: DraftBatch,
     backend: Backend,
     forward: nn.Module | None = None,
+    residual_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Final-normed drafter states of every block slot, [R, A*B, H].
 
     `forward` is what to call (a DDP wrapper, say); `drafter` is the plain module its
-    config and masks come from. They are the same object on one device.
+    config and masks come from. They are the same object on one device. `residual_dtype`:
+    `DFlashDrafter.forward`'s (`drafter.residual_dtype`).
     """
     config = drafter.config
     ids, positions = block_inputs(
@@ -81,7 +83,7 @@ def draft_hidden(
     masks = drafter.build_masks(layout, backend)
     embeds = head.embed(ids).to(batch.target_hidden.dtype)
     model = drafter if forward is None else forward
-    out = model(batch.target_hidden, embeds, batch.position_ids, positions, masks)
+    out = model(batch.target_hidden, embeds, batch.position_ids, positions, masks, residual_dtype)
     assert isinstance(out, Tensor)
     return out
 
@@ -103,12 +105,14 @@ def draft_loss(
     forward: nn.Module | None = None,
     *,
     dpace_alpha: float | None = None,
+    residual_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, BlockStats]:
     """This micro-batch's share of the global loss (see `flashdraft.train.loss`) and its stats:
     weighted by D-PACE when `dpace_alpha` is given (slot_w: `loss.loss_slot_weights`), else by
-    slot_w; against the batch's soft labels when it carries them."""
+    slot_w; against the batch's soft labels when it carries them. `residual_dtype`: see
+    `draft_hidden`."""
     labels, mask = labels_and_mask(batch, drafter.config.block_size)
-    hidden = draft_hidden(drafter, head, batch, backend, forward)
+    hidden = draft_hidden(drafter, head, batch, backend, forward, residual_dtype)
     return block_loss(
         hidden,
         labels,

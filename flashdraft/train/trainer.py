@@ -140,6 +140,8 @@ class Trainer:
         self.block = self.drafter_config.block_size
         self.slot_w = loss_slot_weights(config.loss, self.block).to(self.device)
         self.dpace_alpha = dpace_alpha_of(config.loss)
+        residual = config.drafter.residual_dtype
+        self.residual_dtype = None if residual == "auto" else getattr(torch, residual)
         self.slot_w_cpu = self.slot_w.cpu().double()
 
         if config.preflight:  # before any weight is loaded
@@ -352,6 +354,7 @@ class Trainer:
                         self.config.loss.chunk_rows,
                         forward=self.model,
                         dpace_alpha=self.dpace_alpha,
+                        residual_dtype=self.residual_dtype,
                     )
                 # Data parallel wrappers average gradients over ranks; the loss is already
                 # this rank's share of the global sum, so undo the average.

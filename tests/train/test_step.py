@@ -97,12 +97,19 @@ def test_the_trainer_learns_with_soft_labels_and_dpace(tmp_path, tiny_qwen3_dir,
     batches carry the soft labels (else the run would be hard-label training) and its loss
     weights slots by D-PACE; the loss falls. 20 rows are too few for tau_hat to move with any
     weighting (the fixed-batch test above checks it); each option alone is checked against
-    its dense definition in tests/train/test_loss.py."""
+    its dense definition in tests/train/test_loss.py. `drafter.residual_dtype` reaches the
+    drafter's forward too (in fp32 on the CPU it changes no number; under autocast:
+    tests/model/test_drafter.py)."""
     run = tmp_path / "run"
-    options = {"loss.labels": '"soft"', "loss.weighting": '"dpace"', "loss.dpace_alpha": 0.2}
+    options = {
+        "loss.labels": '"soft"',
+        "loss.weighting": '"dpace"',
+        "loss.dpace_alpha": 0.2,
+        "drafter.residual_dtype": '"float32"',
+    }
     settings = train_settings(run, tiny_qwen3_dir, qwen_data, **options)
     settings += ["--set", "optim.max_steps=20", "--set", "log.every=1"]
-    sent, alphas = [], []
+    sent, alphas, residuals = [], [], []
     real_outputs, real_loss = features.target_outputs, trainer.draft_loss
 
     def outputs_spy(*args, **kwargs):
@@ -111,6 +118,7 @@ def test_the_trainer_learns_with_soft_labels_and_dpace(tmp_path, tiny_qwen3_dir,
 
     def loss_spy(*args, **kwargs):
         alphas.append(kwargs["dpace_alpha"])
+        residuals.append(kwargs["residual_dtype"])
         return real_loss(*args, **kwargs)
 
     with (
@@ -120,6 +128,7 @@ def test_the_trainer_learns_with_soft_labels_and_dpace(tmp_path, tiny_qwen3_dir,
         assert cli.main(["train", *settings]) == 0
     assert sent and all(o.soft_ids is not None and o.soft_ids.shape[-1] == 32 for o in sent)
     assert alphas and set(alphas) == {0.2}
+    assert set(residuals) == {torch.float32}
     history = read_metrics(run)
     first, last = history[:4], history[-4:]
 

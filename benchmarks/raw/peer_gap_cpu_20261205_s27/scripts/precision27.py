@@ -12,10 +12,14 @@ and the loss to ../precision.json (and, for scale, the fp32 gradient's over anot
 256 anchors from the same row); prints all but the per-parameter errors. With
 `--fp32-diagnosis` it instead compares the two sides in fp32 on this row (trained slots,
 labels, block states, LM head, logits, loss, gradients, and flashdraft's LM-head chunking)
-and writes ../fp32_diag.txt.
+and writes ../fp32_diag.txt. With `--fp32-residual OUT` (session 28) the same as the
+default plus a fourth gradient, flashdraft under the autocast with `drafter.residual_dtype =
+"float32"` (its residual stream summed in fp32), written to OUT instead of ../precision.json.
 
     .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py
     .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py --fp32-diagnosis
+    .venv/bin/python benchmarks/raw/peer_gap_cpu_20261205_s27/scripts/precision27.py \
+        --fp32-residual benchmarks/raw/quality_20261205_s28/precision_fp32_residual.json
 
 (speculators in .venv, as `make test` installs it; the row is cached in /tmp.)
 """
@@ -154,6 +158,7 @@ def main() -> None:
     def grads(
         side: str, autocast: bool, chunk: int = 4096
     ) -> tuple[float, dict[str, torch.Tensor]]:
+        residual = torch.float32 if side == "flashdraft_fp32_residual" else None
         model = sp if side == "speculators" else drafter
         model.zero_grad(set_to_none=True)
         h = features if autocast else features.float()
@@ -173,7 +178,7 @@ def main() -> None:
                 norm = batch_normaliser(batch, B, slot_w)
                 loss, _ = draft_loss(
                     drafter, head, batch, slot_w, norm, default_backend(torch.device("cpu")),
-                    chunk, dpace_alpha=0.5,
+                    chunk, dpace_alpha=0.5, residual_dtype=residual,
                 )
         loss.backward()
         named = dict(model.named_parameters())
@@ -228,7 +233,12 @@ def main() -> None:
     results["flashdraft_fp32_vs_reference"] = max(
         float((fd32[k] - ref[k]).norm() / ref[k].norm()) for k in ref
     )
-    for side in ("speculators", "flashdraft"):
+    sides = ["speculators", "flashdraft"]
+    out = Path(__file__).resolve().parents[1] / "precision.json"
+    if "--fp32-residual" in sys.argv:
+        sides.append("flashdraft_fp32_residual")
+        out = Path(sys.argv[sys.argv.index("--fp32-residual") + 1])
+    for side in sides:
         loss, got = grads(side, True)
         num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref)
         den = sum(float(ref[k].pow(2).sum()) for k in ref)
@@ -255,10 +265,9 @@ def main() -> None:
     num = sum(float((resampled[k] - ref[k]).pow(2).sum()) for k in ref)
     den = sum(float(ref[k].pow(2).sum()) for k in ref)
     results["other_anchors_fp32_rel_err"] = round((num / den) ** 0.5, 4)
-    out = Path(__file__).resolve().parents[1] / "precision.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
-    brief = {k: v for k, v in results.items() if k not in ("speculators", "flashdraft")}
-    for side in ("speculators", "flashdraft"):
+    brief = {k: v for k, v in results.items() if k not in sides}
+    for side in sides:
         brief[side] = {k: v for k, v in results[side].items() if k != "per_param"}
     print(json.dumps(brief, indent=1))
 
