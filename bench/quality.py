@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -609,11 +610,9 @@ class Pipeline:
             launcher += ["-m", "torch.distributed.run", "--standalone"]
             launcher.append(f"--nproc-per-node={self.config.gpus}")
         command = [*launcher, "-m", "flashdraft.cli", "train", "--config", str(config_file)]
-        if complete_checkpoints(str(self.run_dir)):
-            command.append("--resume")
-        started = time.perf_counter()
         log_path = self.out / "runs" / f"{self.config.run}.log"
-        finished = supervise(command, log_path, self.run_dir, self.remaining())
+        started = time.perf_counter()
+        finished = supervise_resuming(command, log_path, self.run_dir, self.remaining)
         seconds += time.perf_counter() - started
         self.save_marker(name, settings, finished=finished, seconds=round(seconds, 1))
         return finished
@@ -803,6 +802,36 @@ def supervise(
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
         raise RuntimeError(f"train exited {process.returncode}; {log_path}:\n" + "\n".join(tail))
     return (run_dir / "export" / "config.json").exists()
+
+
+def supervise_resuming(
+    command: list[str],
+    log_path: Path,
+    run_dir: Path,
+    remaining: Callable[[], float | None],
+    min_left: float = 90.0,
+) -> bool:
+    """`supervise` (with `--resume` once a checkpoint exists), again from the newest
+    checkpoint when the training dies after saving one: s15 and s28 each lost a run to a
+    CUDA "unspecified launch failure" while several runs shared the GPU, which did not come
+    back on the rerun. One that dies again before its next checkpoint raises (no progress:
+    not a passing fault); with under `min_left` seconds left it returns False and the next
+    call resumes."""
+    while True:
+        saved = _latest_step(run_dir)
+        resume = ["--resume"] if complete_checkpoints(str(run_dir)) else []
+        try:
+            return supervise([*command, *resume], log_path, run_dir, remaining())
+        except RuntimeError as error:
+            now = _latest_step(run_dir)
+            if now <= saved:
+                raise
+            log.info(f"train: {str(error).splitlines()[0]} after saving step {now} ({log_path})")
+            left = remaining()
+            if left is not None and left < min_left:
+                log.info(f"train: {left:.0f} s left of --deadline; the next call resumes")
+                return False
+            log.info(f"train: resuming from step {now}")
 
 
 def _seconds_per_step(run_dir: Path, last: int = 10) -> float | None:

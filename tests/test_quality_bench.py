@@ -239,6 +239,50 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
         supervise(0, budget=None, code=3)
 
 
+CRASHING_TRAIN = """
+import json, pathlib, sys
+run, crashes = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+with open(run / "calls.txt", "a") as f:
+    f.write(" ".join(sys.argv[3:]) + "\\n")
+calls = len((run / "calls.txt").read_text().splitlines())
+if calls <= crashes and sys.argv[4:] != ["again"]:  # save one more checkpoint, then die
+    done = run / "checkpoints" / f"step_{calls:08d}"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / "COMPLETE").write_text("")
+    print("RuntimeError: CUDA driver error: unspecified launch failure")
+    sys.exit(1)
+if sys.argv[4:] == ["again"]:  # dies before its next checkpoint
+    sys.exit(1)
+(run / "export").mkdir(exist_ok=True)
+(run / "export" / "config.json").write_text("{}")
+"""
+
+
+def test_a_training_that_dies_after_a_checkpoint_resumes_from_it_at_once(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """s28: `pe`'s training died of a CUDA fault (Xid 43) after its step-4,000 checkpoint and
+    waited for the next device call; the same steps then ran through. A death after a new
+    checkpoint now resumes from it in the same call (with `--resume`); one before any new
+    checkpoint raises with the log's tail; with too little time left it stops (False) for
+    the next call."""
+    script = tmp_path / "crashing_train.py"
+    script.write_text(textwrap.dedent(CRASHING_TRAIN))
+
+    def run_with(crashes: int, *extra: str, left: float | None = None) -> tuple[bool, list[str]]:
+        run = tmp_path / f"run{crashes}{''.join(extra)}{left}"
+        run.mkdir()
+        command = [sys.executable, str(script), str(run), str(crashes), "train", *extra]
+        finished = quality.supervise_resuming(command, run / "log", run, lambda: left)
+        return finished, (run / "calls.txt").read_text().splitlines()
+
+    assert run_with(0) == (True, ["train"])
+    assert run_with(2) == (True, ["train", "train --resume", "train --resume"])
+    assert run_with(1, left=30.0) == (False, ["train"])  # under 90 s left: the next call
+    with pytest.raises(RuntimeError, match="exited 1"):
+        run_with(1, "again")  # no checkpoint saved before it died: not a passing fault
+
+
 FINAL_TRAIN = """
 import json, pathlib, sys, time
 run = pathlib.Path(sys.argv[1])
