@@ -155,6 +155,12 @@ def estimate(
     )
     row = config.data.row_tokens
     mask = {"dense document mask [T, T] (sdpa)": float(target_rows * row * row * (1 + dtype_bytes))}
+    # `drafter.residual_dtype = "float32"` under a 2-byte target: each RMSNorm keeps its
+    # output for the weight's gradient in fp32 instead of 2 bytes (its fp32 input copy is
+    # kept either way), two per layer plus the final one (counted, not measured).
+    wider = config.drafter.residual_dtype == "float32" and dtype_bytes == 2
+    norms = (2 * drafter.num_hidden_layers + 1) * q * h * 2.0
+    residual = {"fp32 residual (norm outputs +2 B)": norms}
     # Alive only in one phase of the step (module docstring); the rest is held throughout.
     phases = {
         "target activations": TARGET_PHASE,
@@ -163,6 +169,7 @@ def estimate(
         "drafter activations (A*B queries)": DRAFTER_PHASE,
         "drafter context K/V (row length)": DRAFTER_PHASE,
         "LM head chunk (fp32 logits x3)": DRAFTER_PHASE,
+        "fp32 residual (norm outputs +2 B)": DRAFTER_PHASE,
     }
     terms = {
         "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
@@ -179,6 +186,7 @@ def estimate(
         "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
         **(soft_labels if soft else {}),
         **(mask if dense else {}),
+        **(residual if wider else {}),
     }
     return MemoryEstimate(terms, {k: v for k, v in phases.items() if k in terms})
 

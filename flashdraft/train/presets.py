@@ -116,7 +116,9 @@ def smollm2_135m(
     +9.0% HumanEval, +11.0% mined Python (quality_h200_20261204_s21, where flashdraft / the
     peer recipe, the peer at MLP 1,536 and A = 512, was 1.04, 1.10, 1.10 with this drafter at
     MLP 1,536 and 0.98, 1.01, 1.03 at 704; against the peer at this shape, MLP 704 and A =
-    2048, it is 0.93, 0.93, 0.94 at T = 0 and 1.13 at T = 1, quality_h200_20261204_s25); at
+    2048, it is 0.93, 0.93, 0.94 at T = 0 and 1.13 at T = 1, quality_h200_20261204_s25; 0.94,
+    0.96, 0.95 and 1.09 under seed 1, and with the peer's own settings 0.95, 0.96, 0.98 and
+    1.01, quality_h200_20261205_s28); at
     2 epochs Muon (lr 1e-3, linear) over AdamW (6e-4, cosine) +22% / +21% / +24%; D-PACE
     slot weights over the decay nothing with Muon and -4 to -9% with AdamW (3 layers, A =
     512; quality_h200_20261202_ablations); with Muon, 5 layers over 3 +27% / +19% /
