@@ -519,6 +519,21 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
 
 
+def paired_ratio_text(mine: dict[str, Any], theirs: dict[str, Any], loops: bool = True) -> str:
+    """ "tau / tau = ratio [low-high]" of two eval reports on the same prompts (90% paired
+    interval over whole sources), and with `loops` the same over the text before the
+    repetition loops where both reports allow it: one line of the sessions' pairs files."""
+    low, high = tau_ratio_interval(mine, theirs) or (float("nan"), float("nan"))
+    text = f"{mine['tau']:.3f} / {theirs['tau']:.3f} = {mine['tau'] / theirs['tau']:.3f}"
+    text += f" [{low:.2f}-{high:.2f}]"
+    a, b = (before_loops(mine), before_loops(theirs)) if loops else (None, None)
+    if a and b:
+        low, high = tau_ratio_interval(a, b) or (float("nan"), float("nan"))
+        text += f"; before loops {a['tau']:.3f} / {b['tau']:.3f} = {a['tau'] / b['tau']:.3f}"
+        text += f" [{low:.2f}-{high:.2f}]"
+    return text
+
+
 def _result(prompt: dict[str, Any]) -> DecodeResult:
     """The part of a report's per-prompt entry that `steps_before` reads."""
     return DecodeResult(prompt["output_ids"], prompt["acceptance_lengths"], 0, 0.0, 0.0, False)

@@ -614,6 +614,13 @@ def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: Modul
         "per_prompt": [prompt("a", 10, [1] * 9 + [15] * 10), dict(plain, acceptance_lengths=[8])],
     }
     assert report.before_loops(theirs)["tau"] == pytest.approx(17 / 10)
+    # the sessions' pairs files: the same two ratios on one line, each with its interval
+    line = report.paired_ratio_text(mine, theirs)
+    assert (
+        line.startswith("9.000 / 8.000 = 1.125 [")
+        and "; before loops 2.429 / 1.700 = 1.429 [" in line
+    )
+    assert report.paired_ratio_text(mine, theirs, loops=False) == line.split(";")[0]
 
     def row(name: str, evals: dict) -> dict:
         return {"name": name, "recipe": {"x": name}, "steps": 5, "step_ms": 1.0, "evals": evals}

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, "bench")
-from quality_report import before_loops, tau_ratio_interval  # noqa: E402
+from quality_report import paired_ratio_text  # noqa: E402
 
 RAW = Path("benchmarks/raw")
 RUNS = {
@@ -20,15 +20,7 @@ for name, folder in RUNS.items():
     for kind in ("chat", "humaneval", "code", "chat_t1"):
         mine = json.loads((folder / f"{kind}.json").read_text())
         peer = json.loads((PEER / f"{kind}.json").read_text())
-        low, high = tau_ratio_interval(mine, peer)
-        line = f"{name} {kind}: {mine['tau']:.3f} / {peer['tau']:.3f} = "
-        line += f"{mine['tau'] / peer['tau']:.3f} [{low:.2f}-{high:.2f}]"
-        a, b = before_loops(mine), before_loops(peer)
-        if a and b and kind != "chat_t1":
-            lo2, hi2 = tau_ratio_interval(a, b)
-            line += f"; before loops {a['tau']:.3f} / {b['tau']:.3f} = {a['tau'] / b['tau']:.3f}"
-            line += f" [{lo2:.2f}-{hi2:.2f}]"
-        print(line)
+        print(f"{name} {kind}: {paired_ratio_text(mine, peer, kind != 'chat_t1')}")
 for kind in ("chat", "humaneval", "code"):
     peer = json.loads((PEER / f"{kind}.json").read_text())
     print(

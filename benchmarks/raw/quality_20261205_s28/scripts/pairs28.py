@@ -1,6 +1,6 @@
 """s28's paired ratios: every pair of the four flashdraft runs at the shipped shape and the
 peer (same rows, 4,626 steps, the same 24 held-out prompts per kind), with 90% paired
-bootstrap intervals over whole sources (bench/quality_report.py's tau_ratio_interval), and
+bootstrap intervals over whole sources (bench/quality_report.py's paired_ratio_text), and
 each report's lossless count. s1 / l5s2i704a2k is one recipe under two seeds: the seed noise.
 Run from the repo root: python benchmarks/raw/quality_20261205_s28/scripts/pairs28.py"""
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, "bench")
-from quality_report import before_loops, tau_ratio_interval  # noqa: E402
+from quality_report import paired_ratio_text  # noqa: E402
 
 RAW = Path("benchmarks/raw")
 HERE = RAW / "quality_20261205_s28/runs"
@@ -42,15 +42,7 @@ for a, b in PAIRS:
         mine, theirs = read(a, kind), read(b, kind)
         if mine is None or theirs is None:
             continue
-        low, high = tau_ratio_interval(mine, theirs)
-        line = f"{a} / {b} {kind}: {mine['tau']:.3f} / {theirs['tau']:.3f} = "
-        line += f"{mine['tau'] / theirs['tau']:.3f} [{low:.2f}-{high:.2f}]"
-        x, y = before_loops(mine), before_loops(theirs)
-        if x and y and kind != "chat_t1":
-            lo2, hi2 = tau_ratio_interval(x, y)
-            line += f"; before loops {x['tau']:.3f} / {y['tau']:.3f} = {x['tau'] / y['tau']:.3f}"
-            line += f" [{lo2:.2f}-{hi2:.2f}]"
-        print(line)
+        print(f"{a} / {b} {kind}: {paired_ratio_text(mine, theirs, kind != 'chat_t1')}")
 for run in ("s1", "pe", "dpm"):
     for kind in ("chat", "humaneval", "code"):
         report = read(run, kind)
