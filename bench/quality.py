@@ -815,8 +815,9 @@ def supervise_resuming(
     checkpoint when the training dies after saving one: s15 and s28 each lost a run to a
     CUDA "unspecified launch failure" while several runs shared the GPU, which did not come
     back on the rerun. One that dies again before its next checkpoint raises (no progress:
-    not a passing fault); with under `min_left` seconds left it returns False and the next
-    call resumes."""
+    not a passing fault; a run the finite guard stops after a checkpoint so costs one
+    rerun before it raises); with under `min_left` seconds left it returns False and the
+    next call resumes."""
     while True:
         saved = _latest_step(run_dir)
         resume = ["--resume"] if complete_checkpoints(str(run_dir)) else []
@@ -943,7 +944,7 @@ def compare(config: QualityConfig) -> dict[str, Any]:
     BENCH_DIR/quality_<hw>_<date>_compare.md."""
     out = Path(config.output)
     names = config.runs or sorted(
-        p.name for p in (out / "runs").iterdir() if p.is_dir() and p.name != "peer-speculators"
+        p.name for p in (out / "runs").iterdir() if p.is_dir() and not p.name.startswith("peer-")
     )
     rows = [run_row(out, name) for name in names]
     peer = peer_row(Path(config.peer) if config.peer else out / "runs" / "peer-speculators")

@@ -519,18 +519,23 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
 
 
-def paired_ratio_text(mine: dict[str, Any], theirs: dict[str, Any], loops: bool = True) -> str:
-    """ "tau / tau = ratio [low-high]" of two eval reports on the same prompts (90% paired
-    interval over whole sources), and with `loops` the same over the text before the
-    repetition loops where both reports allow it: one line of the sessions' pairs files."""
-    low, high = tau_ratio_interval(mine, theirs) or (float("nan"), float("nan"))
-    text = f"{mine['tau']:.3f} / {theirs['tau']:.3f} = {mine['tau'] / theirs['tau']:.3f}"
-    text += f" [{low:.2f}-{high:.2f}]"
-    a, b = (before_loops(mine), before_loops(theirs)) if loops else (None, None)
+def paired_ratio_text(
+    mine: dict[str, Any], theirs: dict[str, Any], before_loops_too: bool = True
+) -> str:
+    """One line of the sessions' pairs files: tau / tau = ratio of two eval reports with its
+    90% paired interval over whole sources ("[no interval]" when they ran other prompts),
+    and with `before_loops_too` the same over the text before the repetition loops where
+    both reports allow it."""
+
+    def ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
+        interval = tau_ratio_interval(a, b)
+        bounds = "[no interval]" if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
+        return f"{a['tau']:.3f} / {b['tau']:.3f} = {a['tau'] / b['tau']:.3f} {bounds}"
+
+    text = ratio(mine, theirs)
+    a, b = (before_loops(mine), before_loops(theirs)) if before_loops_too else (None, None)
     if a and b:
-        low, high = tau_ratio_interval(a, b) or (float("nan"), float("nan"))
-        text += f"; before loops {a['tau']:.3f} / {b['tau']:.3f} = {a['tau'] / b['tau']:.3f}"
-        text += f" [{low:.2f}-{high:.2f}]"
+        text += f"; before loops {ratio(a, b)}"
     return text
 
 

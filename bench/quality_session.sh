@@ -498,11 +498,11 @@ peereval)
   # sends it) and its peer_report.json, evaluated again by the eval stage of the flashdraft
   # runs (same prompts, limit and loop), e.g. after --eval-prompts changed; `compare` then
   # reads runs/peer-speculators/eval/ (2026-12-02: the 8-prompt evals were too noisy on chat)
-  mkdir -p "$RUN_DIR/runs/peer-speculators"
-  cat .qpeer/export_peer-speculators.tgz.part* | tar xzf - -C "$RUN_DIR/runs/peer-speculators" \
-    || exit 1
-  cp .qpeer/peer_report.json "$RUN_DIR/runs/peer-speculators/report.json"
-  quality peereval eval --run peer-speculators --deadline "${PEER_DEADLINE:-540}"
+  name=${PEER_NAME:-peer-speculators}
+  mkdir -p "$RUN_DIR/runs/$name"
+  cat .qpeer/export_"$name".tgz.part* | tar xzf - -C "$RUN_DIR/runs/$name" || exit 1
+  cp .qpeer/peer_report.json "$RUN_DIR/runs/$name/report.json"
+  quality peereval eval --run "$name" --deadline "${PEER_DEADLINE:-540}"
   NO_EXPORT=1
   ;;
 multi)

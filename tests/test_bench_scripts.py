@@ -295,7 +295,7 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
         if not os.environ.get("CUT"):
             out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
             out.mkdir(parents=True, exist_ok=True)
-            (out / "report.json").write_text(json.dumps({"complete": True}))
+            (out / "report.json").write_text(json.dumps({"complete": True, "output": str(out)}))
     '''))  # fmt: skip
     (bench / "quality.py").write_text(textwrap.dedent('''
         import os, sys
@@ -341,7 +341,8 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
     assert trained.endswith(f"--output {run_dir}/runs/peer-seed1")
     assert evaluated.startswith("quality eval --run peer-seed1 --deadline ")
     assert (run_dir / "runs" / "peer-speculators" / "report.json").exists()
-    assert (tmp_path / "out" / "peer_report.json").exists()
+    copied = json.loads((tmp_path / "out" / "peer_report.json").read_text())
+    assert copied["output"] == f"{run_dir}/runs/peer-seed1"  # its own report comes back
 
 
 def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:

@@ -82,18 +82,19 @@ def test_the_peers_anchors_are_the_runs_unless_given(
     )  # fmt: skip
     common = ["--target", "/models/smol", "--device", "cpu", "--data", str(tmp_path / "d")]
     got = {}
-    for extra in ([], ["--anchors", "512"], ["--seed", "7", "--anchors", "2048"]):
+    flags = {"default": [], "a512": ["--anchors", "512"], "seed7": ["--seed", "7"]}
+    for name, extra in flags.items():
         config = peer.parse([*common, "--output", "o", *extra])
         assert config.data is not None
         run = peer.run_config(config, config.data, "/models/smol", "cpu")
         assert run.loss.anchors == 2048
-        got[len(extra)] = peer.peer_overrides(config, run, drafter, torch.device("cpu"))
-    assert (got[0]["max_anchors"], got[2]["max_anchors"]) == (2048, 512)
-    assert {k: v for k, v in got[0].items() if k != "max_anchors"} == {
-        k: v for k, v in got[2].items() if k != "max_anchors"
+        got[name] = peer.peer_overrides(config, run, drafter, torch.device("cpu"))
+    assert (got["default"]["max_anchors"], got["a512"]["max_anchors"]) == (2048, 512)
+    assert {k: v for k, v in got["default"].items() if k != "max_anchors"} == {
+        k: v for k, v in got["a512"].items() if k != "max_anchors"
     }
-    assert "seed" not in got[0] and peer.speculators_settings()["seed"] == 42
-    assert got[4] == {**got[0], "seed": 7}
+    assert "seed" not in got["default"] and peer.speculators_settings()["seed"] == 42
+    assert got["seed7"] == {**got["default"], "seed": 7}
 
 
 def test_the_peer_is_evaluated_on_the_eval_stages_prompts(

@@ -240,18 +240,18 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
 
 
 CRASHING_TRAIN = """
-import json, pathlib, sys
-run, crashes = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+import pathlib, sys
+run, crashes, then = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 with open(run / "calls.txt", "a") as f:
-    f.write(" ".join(sys.argv[3:]) + "\\n")
+    f.write(" ".join(sys.argv[4:]) + "\\n")
 calls = len((run / "calls.txt").read_text().splitlines())
-if calls <= crashes and sys.argv[4:] != ["again"]:  # save one more checkpoint, then die
+if calls <= crashes:  # save one more checkpoint, then die
     done = run / "checkpoints" / f"step_{calls:08d}"
     done.mkdir(parents=True, exist_ok=True)
     (done / "COMPLETE").write_text("")
     print("RuntimeError: CUDA driver error: unspecified launch failure")
     sys.exit(1)
-if sys.argv[4:] == ["again"]:  # dies before its next checkpoint
+if then == "die":  # dies before its next checkpoint
     sys.exit(1)
 (run / "export").mkdir(exist_ok=True)
 (run / "export" / "config.json").write_text("{}")
@@ -263,24 +263,31 @@ def test_a_training_that_dies_after_a_checkpoint_resumes_from_it_at_once(
 ) -> None:
     """s28: `pe`'s training died of a CUDA fault (Xid 43) after its step-4,000 checkpoint and
     waited for the next device call; the same steps then ran through. A death after a new
-    checkpoint now resumes from it in the same call (with `--resume`); one before any new
-    checkpoint raises with the log's tail; with too little time left it stops (False) for
-    the next call."""
+    checkpoint now resumes from it in the same call (with `--resume`); a death before any
+    new checkpoint, first time or after a resume, raises with the log's tail; with too
+    little time left it stops (False) for the next call."""
     script = tmp_path / "crashing_train.py"
     script.write_text(textwrap.dedent(CRASHING_TRAIN))
 
-    def run_with(crashes: int, *extra: str, left: float | None = None) -> tuple[bool, list[str]]:
-        run = tmp_path / f"run{crashes}{''.join(extra)}{left}"
+    def run_with(
+        crashes: int, then: str = "finish", left: float | None = None
+    ) -> tuple[bool, list[str]]:
+        run = tmp_path / f"run{crashes}{then}{left}"
         run.mkdir()
-        command = [sys.executable, str(script), str(run), str(crashes), "train", *extra]
-        finished = quality.supervise_resuming(command, run / "log", run, lambda: left)
+        command = [sys.executable, str(script), str(run), str(crashes), then, "train"]
+        finished: bool = quality.supervise_resuming(command, run / "log", run, lambda: left)
         return finished, (run / "calls.txt").read_text().splitlines()
 
     assert run_with(0) == (True, ["train"])
     assert run_with(2) == (True, ["train", "train --resume", "train --resume"])
     assert run_with(1, left=30.0) == (False, ["train"])  # under 90 s left: the next call
-    with pytest.raises(RuntimeError, match="exited 1"):
-        run_with(1, "again")  # no checkpoint saved before it died: not a passing fault
+    for crashes in (0, 1):  # no checkpoint saved before it died: not a passing fault
+        with pytest.raises(RuntimeError, match="exited 1"):
+            run_with(crashes, "die")
+    assert (tmp_path / "run1dieNone" / "calls.txt").read_text().split("\n")[:2] == [
+        "train",
+        "train --resume",
+    ]
 
 
 FINAL_TRAIN = """
@@ -620,7 +627,12 @@ def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: Modul
         line.startswith("9.000 / 8.000 = 1.125 [")
         and "; before loops 2.429 / 1.700 = 1.429 [" in line
     )
-    assert report.paired_ratio_text(mine, theirs, loops=False) == line.split(";")[0]
+    assert report.paired_ratio_text(mine, theirs, before_loops_too=False) == line.split(";")[0]
+    other = {"tau": 2.0, "per_prompt": [dict(plain, id="c")]}  # other prompts: no pairing
+    unpaired = (
+        "2.000 / 8.000 = 0.250 [no interval]; before loops 2.000 / 1.700 = 1.176 [no interval]"
+    )
+    assert report.paired_ratio_text(other, theirs) == unpaired
 
     def row(name: str, evals: dict) -> dict:
         return {"name": name, "recipe": {"x": name}, "steps": 5, "step_ms": 1.0, "evals": evals}

@@ -301,8 +301,9 @@ class DFlashDrafter(nn.Module):
         target_hidden [R, T, K*H]; block_embeds [R, Q, H]; context_positions [R, T];
         block_positions [R, Q]; masks keyed by layer type. Returns final-normed [R, Q, H].
         `residual_dtype` (e.g. fp32 under bf16 autocast): the dtype the residual stream is
-        summed in, and so the norms' outputs; the projections still compute in the autocast
-        dtype, and q, k, v stay in block_embeds' dtype. None: block_embeds' own.
+        summed in, and so the norms' outputs; the projections (q, k, v among them) still
+        compute in the autocast dtype, the rope tables and the returned states are in
+        block_embeds' dtype (the LM head casts to it anyway). None: block_embeds' own.
         """
         ctx = self.fuse_context(target_hidden)
         dtype = block_embeds.dtype
@@ -312,7 +313,7 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             x = layer(x, ctx, rope_ctx, rope_q, masks[layer.layer_type])
-        return self.norm(x)
+        return self.norm(x).to(dtype)
 
     def build_masks(self, layout: BlockLayout, backend: Backend) -> dict[str, Mask | None]:
         """One mask per layer type present (a sliding mask only if some layer slides)."""

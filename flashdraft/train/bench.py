@@ -156,6 +156,8 @@ def _time_parts(
                 trainer.backend,
                 config.loss.chunk_rows,
                 forward=trainer.model,
+                dpace_alpha=trainer.dpace_alpha,
+                residual_dtype=trainer.residual_dtype,
             )
         loss.backward()
         trainer.optimizer.step()

@@ -155,12 +155,13 @@ def estimate(
     )
     row = config.data.row_tokens
     mask = {"dense document mask [T, T] (sdpa)": float(target_rows * row * row * (1 + dtype_bytes))}
-    # `drafter.residual_dtype = "float32"` under a 2-byte target: each RMSNorm keeps its
-    # output for the weight's gradient in fp32 instead of 2 bytes (its fp32 input copy is
-    # kept either way), two per layer plus the final one (counted, not measured).
+    # `drafter.residual_dtype = "float32"` under a 2-byte target: the norms' outputs are fp32,
+    # and autocast saves a bf16 cast of them for each projection that reads one (the block's
+    # q, k, v; gate, up). Measured with saved-tensor hooks under eager CPU autocast (a tiny
+    # drafter at 2 and 4 layers): 10 more bytes per query token, hidden unit and layer, plus
+    # 2 (the final norm). Compiled layers may save less.
     wider = config.drafter.residual_dtype == "float32" and dtype_bytes == 2
-    norms = (2 * drafter.num_hidden_layers + 1) * q * h * 2.0
-    residual = {"fp32 residual (norm outputs +2 B)": norms}
+    residual = {"fp32 residual (casts saved)": (10 * drafter.num_hidden_layers + 2) * q * h}
     # Alive only in one phase of the step (module docstring); the rest is held throughout.
     phases = {
         "target activations": TARGET_PHASE,
@@ -169,7 +170,7 @@ def estimate(
         "drafter activations (A*B queries)": DRAFTER_PHASE,
         "drafter context K/V (row length)": DRAFTER_PHASE,
         "LM head chunk (fp32 logits x3)": DRAFTER_PHASE,
-        "fp32 residual (norm outputs +2 B)": DRAFTER_PHASE,
+        "fp32 residual (casts saved)": DRAFTER_PHASE,
     }
     terms = {
         "target weights": target_param_bytes(target_config, dtype_bytes) / shards,

@@ -92,6 +92,24 @@ def test_loss_falls_when_training_on_a_fixed_batch() -> None:
     assert stats.summary()["tau_hat"] > 1.0
 
 
+def test_draft_loss_sums_the_residual_in_the_dtype_asked() -> None:
+    """`draft_loss(..., residual_dtype=)` reaches the drafter's layers: under bf16 autocast on
+    bf16 features they read an fp32 residual stream when asked, bf16 otherwise."""
+    config = tiny_config()
+    drafter, head = tiny_drafter(config), tiny_head(config)
+    batch = _batch([_doc(0, 9), _doc(1, 13)], [[3, 4], [4, 6]])
+    batch.target_hidden = batch.target_hidden.bfloat16()
+    slot_w = slot_weights(4, 7.0)
+    norm = batch_normaliser(batch, 4, slot_w)
+    seen: list[torch.dtype] = []
+    hook = drafter.layers[0].register_forward_hook(lambda m, inp, out: seen.append(inp[0].dtype))
+    for residual in (None, torch.float32):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            draft_loss(drafter, head, batch, slot_w, norm, "sdpa", 16, residual_dtype=residual)
+    hook.remove()
+    assert seen == [torch.bfloat16, torch.float32]
+
+
 def test_the_trainer_learns_with_soft_labels_and_dpace(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
     """`flashdraft train` with both loss options on the tiny Qwen3 target: the trainer's
     batches carry the soft labels (else the run would be hard-label training) and its loss

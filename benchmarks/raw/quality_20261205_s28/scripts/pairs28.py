@@ -1,8 +1,10 @@
-"""s28's paired ratios: every pair of the four flashdraft runs at the shipped shape and the
-peer (same rows, 4,626 steps, the same 24 held-out prompts per kind), with 90% paired
-bootstrap intervals over whole sources (bench/quality_report.py's paired_ratio_text), and
-each report's lossless count. s1 / l5s2i704a2k is one recipe under two seeds: the seed noise.
-Run from the repo root: python benchmarks/raw/quality_20261205_s28/scripts/pairs28.py"""
+"""s28's paired ratios: the pairs below among the four flashdraft runs at the shipped shape
+and the peer (same rows, 4,626 steps, the same 24 held-out prompts per kind), with 90%
+paired bootstrap intervals over whole sources (bench/quality_report.py's paired_ratio_text),
+and each report's lossless count. s1 / l5s2i704a2k is one recipe under two seeds: the seed
+noise. The next session's runs come in as NAME=EVAL_FOLDER arguments (pe32, peer-seed1),
+adding their pairs after these. Run from the repo root:
+python benchmarks/raw/quality_20261205_s28/scripts/pairs28.py [pe32=DIR/runs/pe32/eval ...]"""
 
 import json
 import sys
@@ -32,6 +34,14 @@ PAIRS = [
 ]
 
 
+for extra in sys.argv[1:]:  # NAME=EVAL_FOLDER
+    name, _, folder = extra.partition("=")
+    EVALS[name] = Path(folder)
+for a, b in [("pe32", "pe"), ("pe32", "peer"), ("peer-seed1", "peer"), ("pe", "peer-seed1")]:
+    if a in EVALS and b in EVALS:
+        PAIRS.append((a, b))
+
+
 def read(run: str, kind: str) -> dict | None:
     path = EVALS[run] / f"{kind}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -43,7 +53,7 @@ for a, b in PAIRS:
         if mine is None or theirs is None:
             continue
         print(f"{a} / {b} {kind}: {paired_ratio_text(mine, theirs, kind != 'chat_t1')}")
-for run in ("s1", "pe", "dpm"):
+for run in ("s1", "pe", "dpm", *(name for name in EVALS if name in ("pe32", "peer-seed1"))):
     for kind in ("chat", "humaneval", "code"):
         report = read(run, kind)
         if report is None:
