@@ -819,8 +819,8 @@ def supervise_resuming(
     rerun before it raises); with under `min_left` seconds left it returns False and the
     next call resumes."""
     while True:
-        saved = _latest_step(run_dir)
-        resume = ["--resume"] if complete_checkpoints(str(run_dir)) else []
+        saved = _latest_step(run_dir)  # 0: no complete checkpoint yet
+        resume = ["--resume"] if saved else []
         try:
             return supervise([*command, *resume], log_path, run_dir, remaining())
         except RuntimeError as error:

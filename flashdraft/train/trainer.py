@@ -34,7 +34,7 @@ from flashdraft.export import save_dflash, verify_export
 from flashdraft.log import get_logger, trace
 from flashdraft.model.attention import default_backend
 from flashdraft.model.drafter import DFlashDrafter, param_count
-from flashdraft.model.target import decoder_layers
+from flashdraft.model.target import DTYPES, decoder_layers
 from flashdraft.train import preflight
 from flashdraft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashdraft.train.config import RunConfig
@@ -140,8 +140,7 @@ class Trainer:
         self.block = self.drafter_config.block_size
         self.slot_w = loss_slot_weights(config.loss, self.block).to(self.device)
         self.dpace_alpha = dpace_alpha_of(config.loss)
-        residual = config.drafter.residual_dtype
-        self.residual_dtype = None if residual == "auto" else getattr(torch, residual)
+        self.residual_dtype = DTYPES.get(config.drafter.residual_dtype)  # "auto": None
         self.slot_w_cpu = self.slot_w.cpu().double()
 
         if config.preflight:  # before any weight is loaded
