@@ -50,6 +50,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--residual-dtype",
+        choices=["auto", "float32"],
+        default="auto",
+        help="drafter.residual_dtype: float32 sums the residual stream in fp32 under autocast",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the HF stack reference")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     args = p.parse_args()
@@ -123,7 +129,16 @@ def drafter_row(args, config, device, context: int) -> dict:
 
     def fwd_bwd() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = draft_loss(drafter, head, batch, slot_w, norm, backend, args.chunk_rows)
+            loss, _ = draft_loss(
+                drafter,
+                head,
+                batch,
+                slot_w,
+                norm,
+                backend,
+                args.chunk_rows,
+                residual_dtype=torch.float32 if args.residual_dtype == "float32" else None,
+            )
         loss.backward()
 
     def full_step() -> None:
@@ -154,6 +169,7 @@ def drafter_row(args, config, device, context: int) -> dict:
         "peak_gb": round(timing.peak_mem_gb, 2),
         "peak_minus_inputs_gb": round(timing.peak_mem_gb - input_gb, 2),
         "params_m": round(param_count(drafter) / 1e6, 1),
+        "residual_dtype": args.residual_dtype,
     }
 
 

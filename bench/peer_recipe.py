@@ -649,6 +649,37 @@ def smoke_inputs(out: Path) -> tuple[str, str, list[str]]:
 # ---- the report --------------------------------------------------------------------------
 
 
+def flashdraft_loss_text(run: RunConfig) -> str:
+    """flashdraft's side of the loss caveat, read from the run's own settings."""
+    loss = run.loss
+    if loss.labels == "soft":
+        labels = f"KL to the target's top-{loss.soft_top_k} distribution"
+        if loss.argmax_mix:
+            labels += f" with {loss.argmax_mix} of its argmax mixed in"
+    else:
+        labels = f"CE on the {'target' if loss.labels == 'target' else 'data'} tokens"
+    if loss.weighting == "dpace":
+        weights = f"D-PACE slot weights (alpha {loss.dpace_alpha})"
+    else:
+        gamma = "7 x B / 16" if loss.gamma is None else loss.gamma
+        weights = f"exp(-(k-1)/{gamma}) slot decay"
+    return f"{labels}, {weights}, normalised by the global weight sum sum(w m)"
+
+
+def flashdraft_optim_text(run: RunConfig) -> str:
+    """flashdraft's side of the optimizer caveat, read from the run's own settings."""
+    o = run.optim
+    if o.optimizer == "muon":
+        name = (
+            f"muon (lr {o.lr}, momentum {o.muon_momentum}, weight decay {o.muon_weight_decay}) "
+            f"on the 2-D weights + AdamW (betas {o.betas}, weight decay {o.weight_decay}) on "
+            "the rest"
+        )
+    else:
+        name = f"AdamW lr {o.lr} (betas {o.betas}, weight decay {o.weight_decay})"
+    return f"{name}; {o.schedule} schedule with {o.warmup_steps} warmup steps, clip {o.grad_clip}"
+
+
 def caveats(flat: dict[str, Any], run: RunConfig) -> list[str]:
     """Where speculators' recipe differs from flashdraft's, and which side this run follows."""
     return [
@@ -668,16 +699,15 @@ def caveats(flat: dict[str, Any], run: RunConfig) -> list[str]:
         f"Loss (speculators): {flat['loss_fn']!r} with {flat['per_position_loss_weight']!r} "
         f"slot weights (alpha {flat['dpace_alpha']}; from the drafter's own confidence, so they "
         "grow as it improves and the loss curve is not a plain CE curve), normalised per row "
-        "by the trained-slot count sum(m) (losses/utils.py l. 301); flashdraft: CE with "
-        f"exp(-(k-1)/{run.loss.gamma}) decay normalised by the global weight sum sum(w m). "
-        "The two losses are not comparable numbers; acc and eal are.",
+        f"by the trained-slot count sum(m) (losses/utils.py l. 301); flashdraft: "
+        f"{flashdraft_loss_text(run)}. The two losses are not comparable numbers; acc and eal "
+        "are.",
         f"Optimizer (speculators): {flat['optimizer']} (lr {flat['muon_lr']}, momentum "
         f"{flat['muon_momentum']}, weight decay {flat['muon_weight_decay']}, "
         f"{flat['muon_adjust_lr_fn']}) on the 2-D weights + AdamW (lr {flat['lr']}, weight "
         f"decay {flat['weight_decay']}) on the norms; {flat['scheduler_type']} schedule with "
         "1% warmup to 0 at the last step; clip 1.0; fp32 masters under bf16 autocast. "
-        f"flashdraft: AdamW lr {run.optim.lr}, {run.optim.schedule} with "
-        f"{run.optim.warmup_steps} warmup steps, clip {run.optim.grad_clip}.",
+        f"flashdraft: {flashdraft_optim_text(run)}.",
         "Layer ids: speculators' aux_hidden_state_layer_ids are z-lab ids + 1 (vLLM's "
         "convention); the same target layers are tapped, and the dflash export carries z-lab "
         "ids.",

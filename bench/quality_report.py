@@ -519,21 +519,60 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
 
 
-def paired_ratio_text(
-    mine: dict[str, Any], theirs: dict[str, Any], before_loops_too: bool = True
-) -> str:
+def pooled(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one recipe (its seeds) on the same prompts, as one eval report: each
+    prompt's verify steps are all the runs' steps on it, so tau is the recipe's over every
+    run and `tau_ratio_interval` resamples sources with all the runs' results on each. The
+    interval then covers the prompts, not the seeds: two seeds give a mean, not a spread.
+    The pooled prompts carry no output ids (pool `before_loops` of each run instead).
+    Raises ValueError when the runs ran other prompts or carry no per-prompt results."""
+    if not reports or any(not r.get("per_prompt") for r in reports):
+        raise ValueError("pooled: every report needs per-prompt results")
+    first = reports[0]
+    if any(
+        len(r["per_prompt"]) != len(first["per_prompt"]) or not same_prompts(first, r)
+        for r in reports[1:]
+    ):
+        raise ValueError("pooled: the runs ran other prompts; pool only evals of the same prompts")
+    prompts = []
+    for runs in zip(*(r["per_prompt"] for r in reports), strict=True):
+        lengths = [n for run in runs for n in run["acceptance_lengths"]]
+        prompts.append(
+            {
+                "id": runs[0].get("id"),
+                "source": runs[0].get("source"),
+                "acceptance_lengths": lengths,
+            }
+        )
+    steps = sum(len(p["acceptance_lengths"]) for p in prompts)
+    tau = sum(sum(p["acceptance_lengths"]) for p in prompts) / steps if steps else 0.0
+    return {"tau": tau, "per_prompt": prompts, "runs": len(reports)}
+
+
+Reports = dict[str, Any] | list[dict[str, Any]]
+
+
+def paired_ratio_text(mine: Reports, theirs: Reports, before_loops_too: bool = True) -> str:
     """One line of the sessions' pairs files: tau / tau = ratio of two eval reports with its
     90% paired interval over whole sources ("[no interval]" when they ran other prompts),
     and with `before_loops_too` the same over the text before the repetition loops where
-    both reports allow it."""
+    both reports allow it. A list on either side is one recipe's seeds, `pooled`."""
 
     def ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
         interval = tau_ratio_interval(a, b)
         bounds = "[no interval]" if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
         return f"{a['tau']:.3f} / {b['tau']:.3f} = {a['tau'] / b['tau']:.3f} {bounds}"
 
-    text = ratio(mine, theirs)
-    a, b = (before_loops(mine), before_loops(theirs)) if before_loops_too else (None, None)
+    def view(side: Reports, loops: bool) -> dict[str, Any] | None:
+        runs = side if isinstance(side, list) else [side]
+        if loops:
+            runs = [before_loops(r) for r in runs]
+            if any(r is None for r in runs):
+                return None
+        return runs[0] if len(runs) == 1 else pooled(runs)
+
+    text = ratio(view(mine, False), view(theirs, False))
+    a, b = (view(mine, True), view(theirs, True)) if before_loops_too else (None, None)
     if a and b:
         text += f"; before loops {ratio(a, b)}"
     return text

@@ -5,6 +5,7 @@ here, not on the device machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
 from helpers import rows_by_part
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +95,29 @@ def test_the_ahead_stage_narrows_to_a_runs_own_shapes(tmp_path: Path) -> None:
     for line, rows in zip(narrow, (1, 10), strict=True):
         assert "--anchors 2048" in line and f"target.forward_rows={rows}" in line
         assert "drafter.intermediate_size=704" in line and "--chunk-rows" not in line
+
+
+def test_the_drafter_bench_passes_the_residual_dtype_to_the_loss(monkeypatch) -> None:
+    """`bench/drafter.py --residual-dtype float32` times the step `drafter.residual_dtype =
+    "float32"` trains: the loss gets fp32 (None for auto), and each row says which it ran."""
+    spec = importlib.util.spec_from_file_location("bench_drafter", ROOT / "bench" / "drafter.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+
+    def spy(*args, residual_dtype=None, **kwargs):
+        seen.append(residual_dtype)
+        return real(*args, residual_dtype=residual_dtype, **kwargs)
+
+    real = bench.draft_loss
+    monkeypatch.setattr(bench, "draft_loss", spy)
+    for choice, expected in (("float32", torch.float32), ("auto", None)):
+        monkeypatch.setattr(sys, "argv", ["drafter.py", "--smoke", "--residual-dtype", choice])
+        args = bench.parse()
+        seen.clear()
+        row = bench.drafter_row(args, bench.make_config(args), torch.device("cpu"), 256)
+        assert seen and set(seen) == {expected}
+        assert row["residual_dtype"] == choice
 
 
 def test_the_prefill_profile_runs_on_cpu() -> None:

@@ -13,6 +13,9 @@ from types import ModuleType
 import pytest
 from helpers import bench_modules, speculators_oracle
 
+from flashdraft import config as cfg
+from flashdraft.train.config import RunConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +43,36 @@ def test_the_peer_trains_on_the_rows_of_the_quality_run(
     for run in (ours, theirs):
         del run["output"], run["eval"]
     assert theirs == ours
+
+
+def test_the_caveats_describe_the_flashdraft_run_they_sit_beside(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """The report's caveats read flashdraft's loss and optimizer from the run config: the
+    preset's Muon and soft labels (s29 found them printed as "AdamW" and "CE"), and the
+    same words moved by `--set`."""
+    peer = bench["peer_recipe"]
+    common = ["--data", str(tmp_path / "d"), "--output", "o", "--target", "/m", "--device", "cpu"]
+    config = peer.parse(common)
+    preset = peer.run_config(config, config.data, "/m", "cpu")
+    loss, optim = peer.flashdraft_loss_text(preset), peer.flashdraft_optim_text(preset)
+    assert loss.startswith("KL to the target's top-32 distribution, exp(-(k-1)/7.0) slot decay")
+    assert optim.startswith("muon (lr 0.001, momentum 0.95, weight decay 0.1) on the 2-D")
+    assert "linear schedule with 139 warmup steps, clip 1.0" in optim
+    words = ["loss.weighting=dpace", "loss.argmax_mix=0.5", "optim.optimizer=adamw"]
+    moved = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), words))
+    assert peer.flashdraft_loss_text(moved).startswith(
+        "KL to the target's top-32 distribution with 0.5 of its argmax mixed in, D-PACE slot "
+        "weights (alpha 0.5)"
+    )
+    assert peer.flashdraft_optim_text(moved).startswith("AdamW lr 0.001 (betas [0.9, 0.95]")
+    hard = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), ["loss.labels=target"]))
+    assert peer.flashdraft_loss_text(hard).startswith("CE on the target tokens, exp(-(k-1)/7.0)")
+    speculators_oracle()
+    flat = {**peer.speculators_settings(), "epochs": 20}
+    lines = peer.caveats(flat, preset)
+    assert any(f"flashdraft: {optim}." in line for line in lines)
+    assert any(f"flashdraft: {loss}." in line for line in lines)
 
 
 def test_peer_epochs_give_the_run_of_an_epochs_ablation(

@@ -597,6 +597,71 @@ def test_held_out_eval_prompts_are_spread_over_sources(quality: ModuleType, tmp_
     assert report["per_prompt"] == [{"id": "c@1", "source": "c"}, {"id": "zzz"}]
 
 
+def test_pooled_seeds_are_one_recipe_paired_over_sources(quality: ModuleType) -> None:
+    """Two seeds of a recipe, pooled: each prompt keeps both runs' verify steps, tau is the
+    recipe's over all of them (not the mean of the two taus), and the interval against
+    another recipe resamples sources with every run's results on them. A list on either side
+    of `paired_ratio_text` is pooled, before the loops too; runs of other prompts refuse."""
+    report = sys.modules["quality_report"]
+
+    def run(*lengths: list[int], loop: int = 0) -> dict:
+        """Each output: its answer, then with `loop` a loop the drafter takes 15 at a time."""
+        lengths = tuple(x + [15] * loop for x in lengths)
+        prompts = [
+            {
+                "id": f"p{i}",
+                "source": f"s{i // 2}",
+                "acceptance_lengths": x,
+                "output_ids": list(range(100, 101 + sum(x) - 15 * loop)) + [7] * (15 * loop),
+            }
+            for i, x in enumerate(lengths)
+        ]
+        steps = sum(len(x) for x in lengths)
+        return {"tau": sum(map(sum, lengths)) / steps, "per_prompt": prompts}
+
+    seed0 = run([4, 4], [2], [3, 3, 3], [1])
+    seed1 = run([6], [2, 2], [3], [1, 1, 1, 1])
+    both = report.pooled([seed0, seed1])
+    assert both["tau"] == pytest.approx((8 + 2 + 9 + 1 + 6 + 4 + 3 + 4) / 15)
+    assert both["tau"] != pytest.approx((seed0["tau"] + seed1["tau"]) / 2)
+    assert [p["acceptance_lengths"] for p in both["per_prompt"]] == [
+        [4, 4, 6],
+        [2, 2, 2],
+        [3, 3, 3, 3],
+        [1, 1, 1, 1, 1],
+    ]
+    assert [p["source"] for p in both["per_prompt"]] == ["s0", "s0", "s1", "s1"]
+    assert report.tau_ratio_interval(both, both) == (1.0, 1.0)
+    # two sources: a resample holds s0 twice, s1 twice or one of each
+    peer = run([2, 2, 2], [2], [2, 2], [2])
+    low, high = report.tau_ratio_interval(both, peer)
+    on_s0, on_s1 = (8 + 2 + 6 + 4) / 6 / 2.0, (9 + 1 + 3 + 4) / 9 / 2.0
+    assert (low, high) == pytest.approx((min(on_s0, on_s1), max(on_s0, on_s1)))
+    line = report.paired_ratio_text([seed0, seed1], peer)
+    assert line.startswith(f"{both['tau']:.3f} / 2.000 = {both['tau'] / 2:.3f} [")
+    assert "; before loops" in line
+    assert report.paired_ratio_text([seed0], peer) == report.paired_ratio_text(seed0, peer)
+    # the same outputs, each then in a loop of 135 tokens (LOOP_TAIL is 128): before the
+    # loops, the pooled tau of the loop-free seeds again; over everything, the loops lift it
+    looped = [
+        run(*(p["acceptance_lengths"] for p in r["per_prompt"]), loop=9) for r in (seed0, seed1)
+    ]
+    whole, cut = report.paired_ratio_text(looped, peer).split("; before loops ")
+    assert whole.startswith(f"{report.pooled(looped)['tau']:.3f} / 2.000 = ")
+    assert cut.startswith(f"{both['tau']:.3f} / 2.000 = ")
+    assert report.pooled(looped)["tau"] > 5.0
+    with pytest.raises(ValueError, match="other prompts"):
+        report.pooled([seed0, run([1], [1], [1])])
+    renamed = {
+        **seed1,
+        "per_prompt": [dict(p, id=f"q{i}") for i, p in enumerate(seed1["per_prompt"])],
+    }
+    with pytest.raises(ValueError, match="other prompts"):
+        report.pooled([seed0, renamed])
+    with pytest.raises(ValueError, match="per-prompt"):
+        report.pooled([seed0, {"tau": 2.0}])
+
+
 def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: ModuleType) -> None:
     """A target's repetition loop ("no no no ...") is accepted whole by any drafter: when an
     output falls into one, `compare` adds the table again over each prompt's verify steps
