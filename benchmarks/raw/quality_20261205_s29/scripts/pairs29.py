@@ -10,7 +10,8 @@ same rows for 4,626 steps and the same 24 held-out prompts per kind:
            seed 1, H100)
   dpm      D-PACE + soft labels + argmax_mix 0.5 (s28, chat only; one run)
 A later session's runs join a recipe as RECIPE:RUN=EVAL_FOLDER arguments (e.g.
-dpm:dpm0=DIR/runs/dpm0/eval); a recipe pools, for each kind, the runs that evaluated it.
+dpm:dpm0=DIR/runs/dpm0/eval), each read against the pooled peer; a recipe pools, for each
+kind, the runs that evaluated it.
 Run from the repo root: python benchmarks/raw/quality_20261205_s29/scripts/pairs29.py [...]"""
 
 import json
@@ -44,6 +45,8 @@ for extra in sys.argv[1:]:  # RECIPE:RUN=EVAL_FOLDER
     recipe, _, run = recipe_run.partition(":")
     EVALS[run] = Path(folder)
     RECIPES.setdefault(recipe, []).append(run)
+    if (recipe, "peer") not in PAIRS:
+        PAIRS.append((recipe, "peer"))
 
 
 def read(run: str, kind: str) -> dict | None:
