@@ -650,7 +650,8 @@ def smoke_inputs(out: Path) -> tuple[str, str, list[str]]:
 
 
 def flashdraft_loss_text(run: RunConfig) -> str:
-    """flashdraft's side of the loss caveat, read from the run's own settings."""
+    """flashdraft's side of the loss caveat, read from `run` (`run_config`'s: the preset the
+    quality runs start from)."""
     loss = run.loss
     if loss.labels == "soft":
         labels = f"KL to the target's top-{loss.soft_top_k} distribution"
@@ -660,14 +661,16 @@ def flashdraft_loss_text(run: RunConfig) -> str:
         labels = f"CE on the {'target' if loss.labels == 'target' else 'data'} tokens"
     if loss.weighting == "dpace":
         weights = f"D-PACE slot weights (alpha {loss.dpace_alpha})"
+        norm = "the global trained-slot count sum(m)"
     else:
-        gamma = "7 x B / 16" if loss.gamma is None else loss.gamma
+        gamma = loss.gamma if loss.gamma is not None else 7.0 * run.drafter.block_size / 16
         weights = f"exp(-(k-1)/{gamma}) slot decay"
-    return f"{labels}, {weights}, normalised by the global weight sum sum(w m)"
+        norm = "the global weight sum sum(w m)"
+    return f"{labels}, {weights}, normalised by {norm}"
 
 
 def flashdraft_optim_text(run: RunConfig) -> str:
-    """flashdraft's side of the optimizer caveat, read from the run's own settings."""
+    """flashdraft's side of the optimizer caveat, read from `run` (as above)."""
     o = run.optim
     if o.optimizer == "muon":
         name = (
@@ -677,7 +680,10 @@ def flashdraft_optim_text(run: RunConfig) -> str:
         )
     else:
         name = f"AdamW lr {o.lr} (betas {o.betas}, weight decay {o.weight_decay})"
-    return f"{name}; {o.schedule} schedule with {o.warmup_steps} warmup steps, clip {o.grad_clip}"
+    return (
+        f"{name}; {o.schedule} schedule with {o.warmup_steps} warmup steps to "
+        f"{o.min_lr_ratio} of the lr at the last step, clip {o.grad_clip}"
+    )
 
 
 def caveats(flat: dict[str, Any], run: RunConfig) -> list[str]:

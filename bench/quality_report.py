@@ -522,12 +522,16 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
 def pooled(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Several runs of one recipe (its seeds) on the same prompts, as one eval report: each
     prompt's verify steps are all the runs' steps on it, so tau is the recipe's over every
-    run and `tau_ratio_interval` resamples sources with all the runs' results on each. The
-    interval then covers the prompts, not the seeds: two seeds give a mean, not a spread.
+    run (a mean weighted by each run's verify steps) and `tau_ratio_interval` resamples
+    sources with all the runs' results on each. The interval then covers the prompts, not
+    the seeds: two seeds give a mean, not a spread.
     The pooled prompts carry no output ids (pool `before_loops` of each run instead).
-    Raises ValueError when the runs ran other prompts or carry no per-prompt results."""
+    Raises ValueError when the runs ran other prompts, or carry no per-prompt results or
+    prompt ids."""
     if not reports or any(not r.get("per_prompt") for r in reports):
         raise ValueError("pooled: every report needs per-prompt results")
+    if any(p.get("id") is None for r in reports for p in r["per_prompt"]):
+        raise ValueError("pooled: a prompt has no id, so its runs cannot be matched; re-run eval")
     first = reports[0]
     if any(
         len(r["per_prompt"]) != len(first["per_prompt"]) or not same_prompts(first, r)
@@ -537,13 +541,8 @@ def pooled(reports: list[dict[str, Any]]) -> dict[str, Any]:
     prompts = []
     for runs in zip(*(r["per_prompt"] for r in reports), strict=True):
         lengths = [n for run in runs for n in run["acceptance_lengths"]]
-        prompts.append(
-            {
-                "id": runs[0].get("id"),
-                "source": runs[0].get("source"),
-                "acceptance_lengths": lengths,
-            }
-        )
+        source = next((run["source"] for run in runs if run.get("source")), None)
+        prompts.append({"id": runs[0]["id"], "source": source, "acceptance_lengths": lengths})
     steps = sum(len(p["acceptance_lengths"]) for p in prompts)
     tau = sum(sum(p["acceptance_lengths"]) for p in prompts) / steps if steps else 0.0
     return {"tau": tau, "per_prompt": prompts, "runs": len(reports)}

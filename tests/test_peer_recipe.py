@@ -45,12 +45,13 @@ def test_the_peer_trains_on_the_rows_of_the_quality_run(
     assert theirs == ours
 
 
-def test_the_caveats_describe_the_flashdraft_run_they_sit_beside(
+def test_the_caveats_describe_flashdraft_from_the_run_config(
     bench: dict[str, ModuleType], tmp_path: Path
 ) -> None:
-    """The report's caveats read flashdraft's loss and optimizer from the run config: the
-    preset's Muon and soft labels (s29 found them printed as "AdamW" and "CE"), and the
-    same words moved by `--set`."""
+    """The report's caveats read flashdraft's loss and optimizer from the run config they
+    get (`run_config`'s: the preset the quality runs start from): its Muon and soft labels
+    (s29 found them printed as "AdamW" and "CE" whatever the run used), and other settings
+    when the config says so."""
     peer = bench["peer_recipe"]
     common = ["--data", str(tmp_path / "d"), "--output", "o", "--target", "/m", "--device", "cpu"]
     config = peer.parse(common)
@@ -58,16 +59,21 @@ def test_the_caveats_describe_the_flashdraft_run_they_sit_beside(
     loss, optim = peer.flashdraft_loss_text(preset), peer.flashdraft_optim_text(preset)
     assert loss.startswith("KL to the target's top-32 distribution, exp(-(k-1)/7.0) slot decay")
     assert optim.startswith("muon (lr 0.001, momentum 0.95, weight decay 0.1) on the 2-D")
-    assert "linear schedule with 139 warmup steps, clip 1.0" in optim
+    assert optim.endswith(
+        "linear schedule with 139 warmup steps to 0.0 of the lr at the last step, clip 1.0"
+    )
+    assert loss.endswith("normalised by the global weight sum sum(w m)")
     words = ["loss.weighting=dpace", "loss.argmax_mix=0.5", "optim.optimizer=adamw"]
     moved = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), words))
     assert peer.flashdraft_loss_text(moved).startswith(
         "KL to the target's top-32 distribution with 0.5 of its argmax mixed in, D-PACE slot "
-        "weights (alpha 0.5)"
+        "weights (alpha 0.5), normalised by the global trained-slot count sum(m)"
     )
     assert peer.flashdraft_optim_text(moved).startswith("AdamW lr 0.001 (betas [0.9, 0.95]")
-    hard = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), ["loss.labels=target"]))
-    assert peer.flashdraft_loss_text(hard).startswith("CE on the target tokens, exp(-(k-1)/7.0)")
+    raw = cfg.apply_overrides(preset.to_dict(), ["loss.labels=target", "drafter.block_size=8"])
+    raw["loss"]["gamma"] = None  # the default rule: 7 x B / 16
+    hard = cfg.build(RunConfig, raw)
+    assert peer.flashdraft_loss_text(hard).startswith("CE on the target tokens, exp(-(k-1)/3.5)")
     speculators_oracle()
     flat = {**peer.speculators_settings(), "epochs": 20}
     lines = peer.caveats(flat, preset)

@@ -660,6 +660,12 @@ def test_pooled_seeds_are_one_recipe_paired_over_sources(quality: ModuleType) ->
         report.pooled([seed0, renamed])
     with pytest.raises(ValueError, match="per-prompt"):
         report.pooled([seed0, {"tau": 2.0}])
+    anonymous = [{k: v for k, v in p.items() if k != "id"} for p in seed1["per_prompt"]]
+    with pytest.raises(ValueError, match="no id"):  # unmatched prompts are never pooled
+        report.pooled([{**seed0, "per_prompt": anonymous}, {**seed1, "per_prompt": anonymous}])
+    unnamed = [{k: v for k, v in p.items() if k != "source"} for p in seed0["per_prompt"]]
+    named_later = report.pooled([{**seed0, "per_prompt": unnamed}, seed1])
+    assert [p["source"] for p in named_later["per_prompt"]] == ["s0", "s0", "s1", "s1"]
 
 
 def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: ModuleType) -> None:

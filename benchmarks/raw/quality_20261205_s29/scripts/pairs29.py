@@ -1,11 +1,13 @@
-"""s29's seed-pooled ratios. Each recipe that ran twice is pooled over its runs
+"""s29's pooled ratios. Each recipe that ran twice is pooled over its runs
 (bench/quality_report.py's `pooled`: every prompt keeps both runs' verify steps), and the
 90% interval resamples whole sources with both runs on them: it covers the prompts, not
 the seeds (two runs give a mean, not a spread). Recipes, all at the shipped shape on the
 same rows for 4,626 steps and the same 24 held-out prompts per kind:
   recipe   flashdraft's soft-label preset: l5s2i704a2k (s21, seed 0) and s1 (s28, seed 1)
-  pe-runs  the peer's settings inside flashdraft: pe (s28) and pe32 (s29, the same plus
-           drafter.residual_dtype=float32, which moved nothing beyond noise: see pairs28.txt)
+  pe       the peer's settings inside flashdraft, s28's run alone
+  pe-runs  the same settings, one seed (0) under two numerics and machines: pe (s28, H200)
+           and pe32 (s29, H100, plus drafter.residual_dtype=float32, which moved nothing
+           beyond noise: see pairs28.txt); not seed evidence
   peer     speculators 0.9.0's own recipe: s25's run (seed 42, H200) and peer-seed1 (s29,
            seed 1, H100)
   dpm      D-PACE + soft labels + argmax_mix 0.5 (s28, chat only; one run)
@@ -33,11 +35,18 @@ EVALS = {
 }
 RECIPES = {
     "recipe": ["l5s2i704a2k", "s1"],
+    "pe": ["pe"],
     "pe-runs": ["pe", "pe32"],
     "peer": ["peer", "peer-seed1"],
     "dpm": ["dpm"],
 }
-PAIRS = [("recipe", "peer"), ("pe-runs", "peer"), ("dpm", "peer"), ("pe-runs", "recipe")]
+PAIRS = [
+    ("recipe", "peer"),
+    ("pe", "peer"),
+    ("pe-runs", "peer"),
+    ("dpm", "peer"),
+    ("pe-runs", "recipe"),
+]
 
 
 for extra in sys.argv[1:]:  # RECIPE:RUN=EVAL_FOLDER
