@@ -63,6 +63,7 @@ from quality_report import (  # beside this script
     add_sources,
     collect,
     hardware_name,
+    pairs_tables,
     peer_row,
     plot_curves,
     read_metrics,
@@ -243,13 +244,15 @@ class QualityConfig:
     runs: list[str] = option(
         factory=list,
         help="compare, curves: the runs of OUT/runs side by side (default: every run); "
-        "curves also takes DIR=NAME, a run folder elsewhere (e.g. in benchmarks/raw/)",
+        "curves also takes DIR=NAME, a run folder elsewhere (e.g. in benchmarks/raw/); "
+        "pairs: NAME=DIR[,DIR...], one recipe's runs (its seeds), pooled",
     )
     window: int = option(500, help="curves: steps per averaged window of tau_hat")
     peer: str | None = option(
         None,
         metavar="DIR",
-        help="compare: bench/peer_recipe.py's output (default: OUT/runs/peer-speculators)",
+        help="compare: bench/peer_recipe.py's output (default: OUT/runs/peer-speculators); "
+        "pairs: the baseline's runs, DIR[,DIR...] (default: the first --runs entry)",
     )
 
     def __post_init__(self) -> None:
@@ -919,9 +922,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, QualityConfig, list[str]]
     )
     parser.add_argument(
         "stage",
-        choices=(*STAGES, "all", "compare", "curves"),
+        choices=(*STAGES, "all", "compare", "curves", "pairs"),
         help="one stage, or all in order; compare: finished runs (and the peer's) side by "
-        "side; curves: the training tau_hat of runs, finished or not, at matched steps",
+        "side; curves: the training tau_hat of runs, finished or not, at matched steps; "
+        "pairs: recipes over a baseline, each the pool of its runs (seeds)",
     )
     cfg.add_arguments(parser, QualityConfig)
     parser.add_argument(
@@ -996,10 +1000,64 @@ def curves(config: QualityConfig) -> dict[str, Any]:
     return {"complete": True, "stage": "curves", "runs": list(folders)}
 
 
+def eval_folders(entry: str, paths: str) -> list[Path]:
+    """The eval folders of one `pairs` recipe: each DIR is a run folder (DIR/eval) or an
+    eval folder itself."""
+    folders = []
+    for text in filter(None, paths.split(",")):
+        path = Path(text)
+        folder = path / "eval" if (path / "eval").is_dir() else path
+        if not any(folder.glob("*.json")):
+            raise FileNotFoundError(f"pairs: {entry!r}: {text} holds no eval reports (*.json)")
+        folders.append(folder)
+    if not folders:
+        raise ValueError(f"pairs: {entry!r} names no folder; give NAME=DIR[,DIR...]")
+    return folders
+
+
+def pairs(config: QualityConfig) -> dict[str, Any]:
+    """The `pairs` stage: recipes side by side, each the pool of its runs (seeds), over a
+    baseline (--peer, else the first --runs entry), per kind with paired intervals over
+    whole sources; printed and written to BENCH_DIR/quality_<hw>_<date>_pairs.md."""
+    recipes: dict[str, list[Path]] = {}
+    for entry in config.runs:
+        name, sep, paths = entry.partition("=")
+        if not sep or not name:
+            raise ValueError(f"pairs: --runs takes NAME=DIR[,DIR...] (got {entry!r})")
+        recipes[name] = eval_folders(entry, paths)
+    if not recipes:
+        raise ValueError("pairs: give the recipes as --runs NAME=DIR[,DIR...] ...")
+    baseline = next(iter(recipes))
+    if config.peer:
+        baseline = "peer"
+        recipes = {"peer": eval_folders(f"--peer {config.peer}", config.peer), **recipes}
+    table = pairs_tables(recipes, baseline)
+    env = environment()
+    bench = Path(config.bench_dir or "benchmarks")
+    bench.mkdir(parents=True, exist_ok=True)
+    md = bench / f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_pairs.md"
+    command = " ".join(["python", *sys.argv])
+    listing = "".join(
+        f"* {name}: " + ", ".join(f"`{f}`" for f in folders) + "\n"
+        for name, folders in recipes.items()
+    )
+    md.write_text(
+        f"# Recipes over `{baseline}`, runs pooled ({env['date']})\n\nCommand: `{command}`  \n"
+        f"Commit `{env.get('commit')}`. Each recipe pools its runs per prompt; the 90% "
+        "intervals resample whole sources, so they cover the prompts, not the seeds.\n\n"
+        f"{listing}{table}"
+    )
+    log.info(table)
+    log.info(f"written: {md}")
+    return {"complete": True, "stage": "pairs", "runs": list(recipes), "baseline": baseline}
+
+
 def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, Any]:
     """The stages asked for, in order; stops early (complete = False) at the deadline."""
     if stage == "compare":
         return compare(config)
+    if stage == "pairs":
+        return pairs(config)
     if stage == "curves":
         return curves(config)
     pipeline = Pipeline(config, overrides)

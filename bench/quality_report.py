@@ -551,6 +551,27 @@ def pooled(reports: list[dict[str, Any]]) -> dict[str, Any]:
 Reports = dict[str, Any] | list[dict[str, Any]]
 
 
+def pooled_view(side: Reports, loops: bool = False) -> dict[str, Any] | None:
+    """One report for one side of a ratio: the report itself, or a list of one recipe's
+    runs `pooled`; with `loops`, over the text before the repetition loops (each run's
+    `before_loops`, then pooled), None where a run has no per-prompt outputs."""
+    runs = side if isinstance(side, list) else [side]
+    if loops:
+        cut = [before_loops(r) for r in runs]
+        if any(r is None for r in cut):
+            return None
+        runs = [r for r in cut if r is not None]
+    return runs[0] if len(runs) == 1 else pooled(runs)
+
+
+def ratio_cell(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """tau(mine) / tau(theirs) with its 90% paired interval ("[no interval]" when the two
+    ran other prompts)."""
+    interval = tau_ratio_interval(mine, theirs)
+    bounds = "[no interval]" if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
+    return f"{mine['tau'] / theirs['tau']:.3f} {bounds}"
+
+
 def paired_ratio_text(mine: Reports, theirs: Reports, before_loops_too: bool = True) -> str:
     """One line of the sessions' pairs files: tau / tau = ratio of two eval reports with its
     90% paired interval over whole sources ("[no interval]" when they ran other prompts),
@@ -558,23 +579,57 @@ def paired_ratio_text(mine: Reports, theirs: Reports, before_loops_too: bool = T
     both reports allow it. A list on either side is one recipe's seeds, `pooled`."""
 
     def ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
-        interval = tau_ratio_interval(a, b)
-        bounds = "[no interval]" if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
-        return f"{a['tau']:.3f} / {b['tau']:.3f} = {a['tau'] / b['tau']:.3f} {bounds}"
+        return f"{a['tau']:.3f} / {b['tau']:.3f} = {ratio_cell(a, b)}"
 
-    def view(side: Reports, loops: bool) -> dict[str, Any] | None:
-        runs = side if isinstance(side, list) else [side]
-        if loops:
-            runs = [before_loops(r) for r in runs]
-            if any(r is None for r in runs):
-                return None
-        return runs[0] if len(runs) == 1 else pooled(runs)
-
-    text = ratio(view(mine, False), view(theirs, False))
-    a, b = (view(mine, True), view(theirs, True)) if before_loops_too else (None, None)
+    whole_mine, whole_theirs = pooled_view(mine), pooled_view(theirs)
+    assert whole_mine is not None and whole_theirs is not None  # None only with loops
+    text = ratio(whole_mine, whole_theirs)
+    a, b = (
+        (pooled_view(mine, True), pooled_view(theirs, True)) if before_loops_too else (None, None)
+    )
     if a and b:
         text += f"; before loops {ratio(a, b)}"
     return text
+
+
+def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
+    """`bench/quality.py pairs`: each recipe's held-out tau over the baseline's, per kind, a
+    recipe's runs (its seeds) `pooled` (the intervals then cover the prompts, not the
+    seeds); at T = 0, again over the text before the loops, and at T = 1 where both ran it.
+    `recipes`: name -> eval folders (KIND.json, KIND_t1.json); a recipe pools, per kind,
+    the runs that evaluated it ("(n)": how many)."""
+
+    def reports(name: str, kind: str) -> list[dict[str, Any]]:
+        found = [folder / f"{kind}.json" for folder in recipes[name]]
+        return [json.loads(path.read_text()) for path in found if path.is_file()]
+
+    def table(title: str, suffix: str, loops: bool) -> str:
+        kinds = [k for k in KINDS if any(reports(n, k + suffix) for n in recipes)]
+        if not kinds:
+            return ""
+        head = ["run"]
+        for kind in kinds:
+            head += [KIND_NAMES[kind], f"/ {baseline}"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in recipes:
+            cells = [name]
+            for kind in kinds:
+                mine, theirs = reports(name, kind + suffix), reports(baseline, kind + suffix)
+                a = pooled_view(mine, loops) if mine else None
+                b = pooled_view(theirs, loops) if theirs else None
+                cells.append("—" if a is None else f"{a['tau']:.3f} ({len(mine)})")
+                if a is None or b is None or name == baseline:
+                    cells.append("—")
+                else:
+                    cells.append(ratio_cell(a, b))
+            lines.append("| " + " | ".join(cells) + " |")
+        return f"\n{title}\n\n" + "\n".join(lines) + "\n"
+
+    return (
+        table("Held-out tau, T = 0:", "", False)
+        + table("Over the text before the outputs fall into a repetition loop:", "", True)
+        + table("At T = 1 (rejection sampling):", "_t1", False)
+    )
 
 
 def _result(prompt: dict[str, Any]) -> DecodeResult:

@@ -3,6 +3,7 @@ pipeline in its CPU smoke size."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -668,6 +669,65 @@ def test_pooled_seeds_are_one_recipe_paired_over_sources(quality: ModuleType) ->
     assert [p["source"] for p in named_later["per_prompt"]] == ["s0", "s0", "s1", "s1"]
 
 
+def test_the_pairs_stage_pools_each_recipes_runs_over_a_baseline(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """`bench/quality.py pairs --runs NAME=DIR[,DIR...] --peer DIR[,DIR...]`: each recipe's
+    runs (run folders or eval folders) pooled per kind over the pooled baseline, with the
+    paired interval; T = 1 where both ran it; a kind a run lacks pools the runs that have
+    it; a bad entry or an empty folder is a one-line error naming it."""
+
+    def write(folder: Path, kind: str, lengths: list[list[int]]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        prompts = [
+            {"id": f"{kind}{i}", "source": f"s{i}", "acceptance_lengths": x,
+             "output_ids": list(range(100, 101 + sum(x)))}
+            for i, x in enumerate(lengths)
+        ]  # fmt: skip
+        steps = sum(map(len, lengths))
+        report = {"tau": sum(map(sum, lengths)) / steps, "per_prompt": prompts}
+        (folder / f"{kind}.json").write_text(json.dumps(report))
+
+    a0, a1, p0, p1 = (tmp_path / n for n in ("a0", "a1", "p0", "p1"))
+    write(a0 / "eval", "chat", [[4, 4], [2]])  # a run folder: its eval/ is read
+    write(a0 / "eval", "chat_t1", [[2], [2]])
+    write(a1 / "eval", "chat", [[6], [2, 2, 2]])
+    write(a1 / "eval", "code", [[3, 3]])  # only a1 ran code
+    write(p0, "chat", [[2, 2], [2]])  # eval folders given directly
+    write(p0, "chat_t1", [[1], [1]])
+    write(p1, "chat", [[2], [2, 2]])
+    write(p1, "code", [[2, 2]])
+    bench = tmp_path / "bench"
+    argv = ["pairs", "--runs", f"a={a0},{a1}", "--peer", f"{p0},{p1}", "--bench-dir", str(bench)]
+    _, config, _ = quality.parse(argv)
+    result = quality.run("pairs", config, [])
+    assert result["runs"] == ["peer", "a"] and result["baseline"] == "peer"
+    md = next(bench.glob("quality_*_pairs.md")).read_text()
+    # chat: a pools 8 + 2 + 6 + 6 = 22 in 7 steps (a0 alone: 3.333), the peer 12 in 6
+    assert "| a | 3.143 (2) | 1.571 [" in md
+    assert "| peer | 2.000 (2) | — |" in md
+    # code: a1 alone (6 in 2 steps) over p1 alone (4 in 2)
+    assert "3.000 (1) | 1.500 [1.50-1.50] |" in md
+    t1 = md.split("At T = 1")[1]
+    assert "| a | 2.000 (1) | 2.000 [2.00-2.00] |" in t1
+    assert "Over the text before" in md and str(a0 / "eval") in md
+
+    for bad, message in (
+        (["--runs", "a"], "NAME=DIR"),
+        (["--runs", f"a={tmp_path / 'empty'}"], "holds no eval reports"),
+        (["--runs", "a="], "names no folder"),
+    ):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        _, config, _ = quality.parse(["pairs", *bad, "--bench-dir", str(bench)])
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            quality.run("pairs", config, [])
+    # without --peer the first recipe is the baseline
+    _, config, _ = quality.parse(
+        ["pairs", "--runs", f"p={p0}", f"a={a0}", "--bench-dir", str(bench)]
+    )
+    assert quality.run("pairs", config, [])["baseline"] == "p"
+
+
 def test_compare_repeats_its_table_over_the_text_before_the_loops(quality: ModuleType) -> None:
     """A target's repetition loop ("no no no ...") is accepted whole by any drafter: when an
     output falls into one, `compare` adds the table again over each prompt's verify steps
@@ -934,12 +994,13 @@ def test_a_pruned_start_is_made_once_and_trained_from(
 
 
 def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
-    quality: ModuleType,
+    quality: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every `python bench/quality.py` line of the README is a valid command; the first is the
     shipped drafter (the preset, nothing set); the two lines of the drafter shipped before it
     train `ref6` at 512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the
-    slow smoke test runs a pruned start for real)."""
+    slow smoke test runs a pruned start for real); the `pairs` line runs on the committed
+    records."""
     readme = (ROOT / "README.md").read_text()
     lines = [
         line.split("#")[0].split()[2:]
@@ -961,6 +1022,15 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert stage == "all" and (pruned.prune_from, pruned.prune_width) == ("ref6", 704)
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
+    # the pairs line reads committed records: it runs here and gives the s29 record's ratios
+    (argv,) = [argv for argv in lines if argv[0] == "pairs"]
+    stage, config, _ = quality.parse(argv)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path))
+    monkeypatch.chdir(ROOT)  # its paths are the repo's
+    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]
+    md = next(tmp_path.glob("quality_*_pairs.md")).read_text()
+    assert "| recipe | 6.869 (2) | 0.953 [0.92-0.98] | 2.922 (2) | 0.960 [0.93-0.99] |" in md
+    assert "| recipe | 1.585 (2) | 1.092 [1.06-1.12] |" in md  # T = 1
 
 
 def test_the_defaults_make_the_shipped_drafters_data(quality: ModuleType, tmp_path: Path) -> None:
