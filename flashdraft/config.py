@@ -135,9 +135,15 @@ def _describe(tp: Any) -> str:
     return text + (" (or none)" if nullable else "")
 
 
+NONE_WORDS = ("none", "null")  # what `--set key=none` or `--key none` means: None
+
+
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, value converted where lossless: an int where a float is wanted)."""
+    """(ok, value converted where lossless: an int where a float is wanted; "none" or
+    "null" to None where None is allowed and a string is not)."""
     inner, nullable = _optional(tp)
+    if nullable and inner is not str and isinstance(value, str) and value.lower() in NONE_WORDS:
+        value = None
     if value is None:
         return nullable or inner is Any, None
     origin = typing.get_origin(inner)
@@ -345,10 +351,13 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 
 
 def _scalar_parser(tp: Any) -> Callable[[str], Any] | None:
-    inner, _ = _optional(tp)
+    inner, nullable = _optional(tp)
     if typing.get_origin(inner) is Literal:
         args = typing.get_args(inner)
         return type(args[0]) if args else str
+    if inner in (int, float) and nullable:
+        number = typing.cast(Callable[[str], Any], inner)
+        return lambda text: None if text.lower() in NONE_WORDS else number(text)
     if inner in (int, float, str):
         return typing.cast(Callable[[str], Any], inner)
     if typing.get_origin(inner) is dict or inner is dict:

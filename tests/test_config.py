@@ -78,6 +78,25 @@ def test_overrides_are_parsed_as_toml_values() -> None:
         cfg.apply_overrides({"a": 1}, ["a.b=2"])
 
 
+def test_none_sets_an_optional_key_back_to_none() -> None:
+    """Where None is allowed ("(or none)" in the error), `--set key=none` (or null) and
+    `--key none` give None; where it is not, or the field is a string, "none" stays what
+    it was: an error, or the string."""
+    base = {"inputs": ["a"], "output": "o", "rate": 2.0}
+    for word in ("none", "null", "None"):
+        data = cfg.apply_overrides(base, [f"rate={word}"])
+        assert cfg.build(Example, data).rate is None
+    with pytest.raises(ConfigError, match=r"size = 'none' is not allowed: expected an integer"):
+        cfg.build(Example, cfg.apply_overrides(base, ["size=none"]))
+    assert cfg.build(Example, cfg.apply_overrides(base, ["output=none"])).output == "none"
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser, Example)
+    args = parser.parse_args(["a", "--output", "o", "--rate", "none"])
+    assert cfg.from_args(Example, args).rate is None
+    args = parser.parse_args(["a", "--output", "o", "--rate", "0.5"])
+    assert cfg.from_args(Example, args).rate == 0.5
+
+
 def test_load_file_names_the_file_of_a_syntax_error(tmp_path) -> None:
     bad = tmp_path / "run.toml"
     bad.write_text("x = [1,\n")

@@ -70,9 +70,8 @@ def test_the_caveats_describe_flashdraft_from_the_run_config(
         "weights (alpha 0.5), normalised by the global trained-slot count sum(m)"
     )
     assert peer.flashdraft_optim_text(moved).startswith("AdamW lr 0.001 (betas [0.9, 0.95]")
-    raw = cfg.apply_overrides(preset.to_dict(), ["loss.labels=target", "drafter.block_size=8"])
-    raw["loss"]["gamma"] = None  # the default rule: 7 x B / 16
-    hard = cfg.build(RunConfig, raw)
+    words = ["loss.labels=target", "loss.gamma=none", "drafter.block_size=8"]  # 7 x B / 16
+    hard = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), words))
     assert peer.flashdraft_loss_text(hard).startswith("CE on the target tokens, exp(-(k-1)/3.5)")
     speculators_oracle()
     flat = {**peer.speculators_settings(), "epochs": 20}
