@@ -943,6 +943,16 @@ def parse(argv: list[str] | None = None) -> tuple[str, QualityConfig, list[str]]
     return args.stage, config, args.overrides
 
 
+def reading_output(config: QualityConfig, stage: str) -> tuple[Path, dict[str, Any], str]:
+    """Where a reading stage (compare, curves, pairs) writes, BENCH_DIR/quality_<hw>_<date>_
+    <stage> without a suffix, the environment it records and the command line that ran."""
+    env = environment()
+    bench = Path(config.bench_dir or "benchmarks")
+    bench.mkdir(parents=True, exist_ok=True)
+    stem = bench / f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_{stage}"
+    return stem, env, " ".join(["python", *sys.argv])
+
+
 def compare(config: QualityConfig) -> dict[str, Any]:
     """The `compare` stage: OUT's runs and the peer's run as one table, printed and written to
     BENCH_DIR/quality_<hw>_<date>_compare.md."""
@@ -953,11 +963,8 @@ def compare(config: QualityConfig) -> dict[str, Any]:
     rows = [run_row(out, name) for name in names]
     peer = peer_row(Path(config.peer) if config.peer else out / "runs" / "peer-speculators")
     table = render_compare(rows, peer)
-    env = environment()
-    bench = Path(config.bench_dir or "benchmarks")
-    bench.mkdir(parents=True, exist_ok=True)
-    md = bench / f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_compare.md"
-    command = " ".join(["python", *sys.argv])
+    stem, env, command = reading_output(config, "compare")
+    md = Path(f"{stem}.md")
     md.write_text(
         f"# Runs side by side: held-out tau ({env['date']})\n\nCommand: `{command}`  \n"
         f"Commit `{env.get('commit')}`; every run of `{out}`, same data and eval.\n\n{table}"
@@ -984,19 +991,15 @@ def curves(config: QualityConfig) -> dict[str, Any]:
             raise FileNotFoundError(f"{path / 'metrics.jsonl'}: no metrics for run {entry!r}")
     metrics = {name: read_metrics(path) for name, path in folders.items()}
     table = render_curves(tau_hat_windows(metrics, config.window))
-    env = environment()
-    bench = Path(config.bench_dir or "benchmarks")
-    bench.mkdir(parents=True, exist_ok=True)
-    stem = f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_curves"
-    (bench / f"{stem}.png").write_bytes(plot_curves(metrics))
-    command = " ".join(["python", *sys.argv])
-    (bench / f"{stem}.md").write_text(
+    stem, env, command = reading_output(config, "curves")
+    Path(f"{stem}.png").write_bytes(plot_curves(metrics))
+    Path(f"{stem}.md").write_text(
         f"# Training tau_hat at matched steps ({env['date']})\n\nCommand: `{command}`  \n"
         f"Means over windows of {config.window} steps; the last columns: each run over "
-        f"the first. ![tau_hat]({stem}.png)\n\n{table}"
+        f"the first. ![tau_hat]({stem.name}.png)\n\n{table}"
     )
     log.info(table)
-    log.info(f"written: {bench / stem}.md")
+    log.info(f"written: {stem}.md")
     return {"complete": True, "stage": "curves", "runs": list(folders)}
 
 
@@ -1032,11 +1035,8 @@ def pairs(config: QualityConfig) -> dict[str, Any]:
         baseline = "peer"
         recipes = {"peer": eval_folders(f"--peer {config.peer}", config.peer), **recipes}
     table = pairs_tables(recipes, baseline)
-    env = environment()
-    bench = Path(config.bench_dir or "benchmarks")
-    bench.mkdir(parents=True, exist_ok=True)
-    md = bench / f"quality_{hardware_name(env)}_{env['date'].replace('-', '')}_pairs.md"
-    command = " ".join(["python", *sys.argv])
+    stem, env, command = reading_output(config, "pairs")
+    md = Path(f"{stem}.md")
     listing = "".join(
         f"* {name}: " + ", ".join(f"`{f}`" for f in folders) + "\n"
         for name, folders in recipes.items()
