@@ -1004,14 +1004,21 @@ def curves(config: QualityConfig) -> dict[str, Any]:
 
 
 def eval_folders(entry: str, paths: str) -> list[Path]:
-    """The eval folders of one `pairs` recipe: each DIR is a run folder (DIR/eval) or an
-    eval folder itself."""
-    folders = []
+    """The eval folders of one `pairs` recipe: each DIR (comma-separated, so a path may not
+    hold a comma) is a run folder (DIR/eval) or an eval folder itself, holding at least one
+    held-out report (KIND.json or KIND_t1.json); a folder given twice is refused (it would
+    count as two seeds)."""
+    folders: list[Path] = []
+    names = [f"{k}{t}.json" for k in KINDS for t in ("", "_t1")]
     for text in filter(None, paths.split(",")):
         path = Path(text)
         folder = path / "eval" if (path / "eval").is_dir() else path
-        if not any(folder.glob("*.json")):
-            raise FileNotFoundError(f"pairs: {entry!r}: {text} holds no eval reports (*.json)")
+        if not any((folder / name).is_file() for name in names):
+            raise ValueError(
+                f"pairs: {entry!r}: {text} holds no held-out eval report ({', '.join(names)})"
+            )
+        if folder.resolve() in {f.resolve() for f in folders}:
+            raise ValueError(f"pairs: {entry!r} names {text} twice (one run, not two seeds)")
         folders.append(folder)
     if not folders:
         raise ValueError(f"pairs: {entry!r} names no folder; give NAME=DIR[,DIR...]")
@@ -1027,6 +1034,8 @@ def pairs(config: QualityConfig) -> dict[str, Any]:
         name, sep, paths = entry.partition("=")
         if not sep or not name:
             raise ValueError(f"pairs: --runs takes NAME=DIR[,DIR...] (got {entry!r})")
+        if name in recipes or (name == "peer" and config.peer):
+            raise ValueError(f"pairs: the name {name!r} is taken twice (--peer is 'peer')")
         recipes[name] = eval_folders(entry, paths)
     if not recipes:
         raise ValueError("pairs: give the recipes as --runs NAME=DIR[,DIR...] ...")

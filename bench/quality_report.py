@@ -567,6 +567,8 @@ def pooled_view(side: Reports, loops: bool = False) -> dict[str, Any] | None:
 def ratio_cell(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
     """tau(mine) / tau(theirs) with its 90% paired interval ("[no interval]" when the two
     ran other prompts)."""
+    if not theirs["tau"]:
+        return "—"
     interval = tau_ratio_interval(mine, theirs)
     bounds = "[no interval]" if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
     return f"{mine['tau'] / theirs['tau']:.3f} {bounds}"
@@ -601,7 +603,22 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
 
     def reports(name: str, kind: str) -> list[dict[str, Any]]:
         found = [folder / f"{kind}.json" for folder in recipes[name]]
-        return [json.loads(path.read_text()) for path in found if path.is_file()]
+        out = []
+        for path in found:
+            if path.is_file():
+                try:
+                    out.append(json.loads(path.read_text()))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"pairs: {path}: not an eval report ({err})") from None
+        return out
+
+    def view(name: str, kind: str, loops: bool) -> dict[str, Any] | None:
+        runs = reports(name, kind)
+        try:
+            return pooled_view(runs, loops) if runs else None
+        except ValueError as err:
+            folders = ", ".join(str(f) for f in recipes[name])
+            raise ValueError(f"pairs: {name} ({folders}), {kind}: {err}") from None
 
     def table(title: str, suffix: str, loops: bool) -> str:
         kinds = [k for k in KINDS if any(reports(n, k + suffix) for n in recipes)]
@@ -614,10 +631,9 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
         for name in recipes:
             cells = [name]
             for kind in kinds:
-                mine, theirs = reports(name, kind + suffix), reports(baseline, kind + suffix)
-                a = pooled_view(mine, loops) if mine else None
-                b = pooled_view(theirs, loops) if theirs else None
-                cells.append("—" if a is None else f"{a['tau']:.3f} ({len(mine)})")
+                a, b = view(name, kind + suffix, loops), view(baseline, kind + suffix, loops)
+                runs = len(reports(name, kind + suffix))
+                cells.append("—" if a is None else f"{a['tau']:.3f} ({runs})")
                 if a is None or b is None or name == baseline:
                     cells.append("—")
                 else:

@@ -135,15 +135,12 @@ def _describe(tp: Any) -> str:
     return text + (" (or none)" if nullable else "")
 
 
-NONE_WORDS = ("none", "null")  # what `--set key=none` or `--key none` means: None
+NONE_WORDS = ("none", "null")  # unquoted, what `--set key=none` or `--key none` means: None
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, value converted where lossless: an int where a float is wanted; "none" or
-    "null" to None where None is allowed and a string is not)."""
+    """(ok, value converted where lossless: an int where a float is wanted)."""
     inner, nullable = _optional(tp)
-    if nullable and inner is not str and isinstance(value, str) and value.lower() in NONE_WORDS:
-        value = None
     if value is None:
         return nullable or inner is Any, None
     origin = typing.get_origin(inner)
@@ -263,7 +260,11 @@ def build(cls: type, data: Any, where: str = "") -> Any:
 
 
 def _parse_value(text: str) -> Any:
-    """A --set value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
+    """A --set value as TOML (numbers, booleans, arrays, quoted strings), an unquoted none or
+    null as None (TOML has no null; a key that may be unset takes it, any other key refuses
+    it by name), else a bare string."""
+    if text.lower() in NONE_WORDS:
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -357,7 +358,12 @@ def _scalar_parser(tp: Any) -> Callable[[str], Any] | None:
         return type(args[0]) if args else str
     if inner in (int, float) and nullable:
         number = typing.cast(Callable[[str], Any], inner)
-        return lambda text: None if text.lower() in NONE_WORDS else number(text)
+
+        def number_or_none(text: str) -> Any:
+            return None if text.lower() in NONE_WORDS else number(text)
+
+        number_or_none.__name__ = number.__name__  # argparse names it: "invalid int value"
+        return number_or_none
     if inner in (int, float, str):
         return typing.cast(Callable[[str], Any], inner)
     if typing.get_origin(inner) is dict or inner is dict:

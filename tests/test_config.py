@@ -79,22 +79,32 @@ def test_overrides_are_parsed_as_toml_values() -> None:
 
 
 def test_none_sets_an_optional_key_back_to_none() -> None:
-    """Where None is allowed ("(or none)" in the error), `--set key=none` (or null) and
-    `--key none` give None; where it is not, or the field is a string, "none" stays what
-    it was: an error, or the string."""
+    """Where None is allowed ("(or none)" in the error), `--set key=none` (or null, any case)
+    gives None, string keys too; a key that may not be unset refuses it by name; a quoted
+    "none" is the string. `--key none` gives None on a number flag that may be unset, and a
+    bad number still reads as argparse words it ("invalid float value")."""
     base = {"inputs": ["a"], "output": "o", "rate": 2.0}
     for word in ("none", "null", "None"):
         data = cfg.apply_overrides(base, [f"rate={word}"])
         assert cfg.build(Example, data).rate is None
-    with pytest.raises(ConfigError, match=r"size = 'none' is not allowed: expected an integer"):
+    with pytest.raises(ConfigError, match=r"size = None is not allowed: expected an integer"):
         cfg.build(Example, cfg.apply_overrides(base, ["size=none"]))
-    assert cfg.build(Example, cfg.apply_overrides(base, ["output=none"])).output == "none"
+    assert cfg.build(Example, cfg.apply_overrides(base, ['output="none"'])).output == "none"
+    assert cfg.apply_overrides({}, ["path=none"]) == {"path": None}  # a `str | None` key
     parser = argparse.ArgumentParser()
     cfg.add_arguments(parser, Example)
     args = parser.parse_args(["a", "--output", "o", "--rate", "none"])
     assert cfg.from_args(Example, args).rate is None
     args = parser.parse_args(["a", "--output", "o", "--rate", "0.5"])
     assert cfg.from_args(Example, args).rate == 0.5
+
+
+def test_a_bad_number_flag_is_named_as_argparse_names_it(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser, Example)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["a", "--output", "o", "--rate", "fast"])
+    assert "invalid float value: 'fast'" in capsys.readouterr().err
 
 
 def test_load_file_names_the_file_of_a_syntax_error(tmp_path) -> None:

@@ -712,14 +712,26 @@ def test_the_pairs_stage_pools_each_recipes_runs_over_a_baseline(
     assert "| a | 2.000 (1) | 2.000 [2.00-2.00] |" in t1
     assert "Over the text before" in md and str(a0 / "eval") in md
 
+    trained_only = tmp_path / "trained_only"
+    trained_only.mkdir()
+    (trained_only / "train.json").write_text("{}")  # no eval/ yet: no held-out report
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "chat.json").write_text("{")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "chat.json").write_text(json.dumps({"tau": 2.0}))  # written before per_prompt
     for bad, message in (
         (["--runs", "a"], "NAME=DIR"),
-        (["--runs", f"a={tmp_path / 'empty'}"], "holds no eval reports"),
+        (["--runs", f"a={trained_only}"], "holds no held-out eval report"),
         (["--runs", "a="], "names no folder"),
+        (["--runs", f"a={a0},{a0 / 'eval'}"], "twice"),  # one run is not two seeds
+        (["--runs", f"a={a0}", f"a={a1}"], "taken twice"),
+        (["--runs", f"peer={a0}", "--peer", str(p0)], "taken twice"),
+        (["--runs", f"a={tmp_path / 'broken'}"], "broken/chat.json: not an eval report"),
+        (["--runs", f"a={a0},{old}", "--peer", str(p0)], r"pairs: a \(.*old\), chat: pooled"),
     ):
-        (tmp_path / "empty").mkdir(exist_ok=True)
         _, config, _ = quality.parse(["pairs", *bad, "--bench-dir", str(bench)])
-        with pytest.raises((ValueError, FileNotFoundError), match=message):
+        with pytest.raises(ValueError, match=message):
             quality.run("pairs", config, [])
     # without --peer the first recipe is the baseline
     _, config, _ = quality.parse(
@@ -1031,6 +1043,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     md = next(tmp_path.glob("quality_*_pairs.md")).read_text()
     assert "| recipe | 6.869 (2) | 0.953 [0.92-0.98] | 2.922 (2) | 0.960 [0.93-0.99] |" in md
     assert "| recipe | 1.585 (2) | 1.092 [1.06-1.12] |" in md  # T = 1
+    loops = md.split("Over the text before")[1].split("At T = 1")[0]
+    assert "| recipe | 2.504 (2) | 0.986 [0.96-1.03] |" in loops  # before the loops, pooled
+    assert "| 3.573 (2) | 0.956 [0.94-0.97] |" in loops
 
 
 def test_the_defaults_make_the_shipped_drafters_data(quality: ModuleType, tmp_path: Path) -> None:
