@@ -25,6 +25,7 @@ from flashdraft.model.attention import default_backend
 from flashdraft.model.config import DrafterConfig, default_target_layer_ids
 from flashdraft.model.drafter import DFlashDrafter, param_count
 from flashdraft.model.head import TargetHead
+from flashdraft.model.target import DTYPES
 from flashdraft.train.blocks import sample_anchors, slot_weights
 from flashdraft.train.parallel import compile_drafter
 from flashdraft.train.step import DraftBatch, batch_normaliser, draft_loss
@@ -137,7 +138,7 @@ def drafter_row(args, config, device, context: int) -> dict:
                 norm,
                 backend,
                 args.chunk_rows,
-                residual_dtype=torch.float32 if args.residual_dtype == "float32" else None,
+                residual_dtype=DTYPES.get(args.residual_dtype),  # "auto": None
             )
         loss.backward()
 

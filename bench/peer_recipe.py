@@ -63,6 +63,7 @@ from flashdraft.model.target import LayerTaps
 from flashdraft.train.checkpoint import load_drafter, rng_state, set_rng_state
 from flashdraft.train.config import RunConfig
 from flashdraft.train.features import device_put, load_run_target
+from flashdraft.train.loss import decay_gamma
 from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import RunPlan, plan_run
 from flashdraft.train.presets import smollm2_135m
@@ -658,13 +659,12 @@ def flashdraft_loss_text(run: RunConfig) -> str:
         if loss.argmax_mix:
             labels += f" with {loss.argmax_mix} of its argmax mixed in"
     else:
-        labels = f"CE on the {'target' if loss.labels == 'target' else 'data'} tokens"
+        labels = f"CE on the {loss.labels} tokens"  # target or data
     if loss.weighting == "dpace":
         weights = f"D-PACE slot weights (alpha {loss.dpace_alpha})"
         norm = "the global trained-slot count sum(m)"
     else:
-        gamma = loss.gamma if loss.gamma is not None else 7.0 * run.drafter.block_size / 16
-        weights = f"exp(-(k-1)/{gamma}) slot decay"
+        weights = f"exp(-(k-1)/{decay_gamma(loss, run.drafter.block_size)}) slot decay"
         norm = "the global weight sum sum(w m)"
     return f"{labels}, {weights}, normalised by {norm}"
 

@@ -564,14 +564,16 @@ def pooled_view(side: Reports, loops: bool = False) -> dict[str, Any] | None:
     return runs[0] if len(runs) == 1 else pooled(runs)
 
 
-def ratio_cell(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
-    """tau(mine) / tau(theirs) with its 90% paired interval ("[no interval]" when the two
-    ran other prompts)."""
+def ratio_cell(
+    mine: dict[str, Any], theirs: dict[str, Any], digits: int = 3, unpaired: str = "[no interval]"
+) -> str:
+    """tau(mine) / tau(theirs) with its 90% paired interval, or `unpaired` when there is
+    none (the two ran other prompts, or a report predates per-prompt results)."""
     if not theirs["tau"]:
         return "—"
     interval = tau_ratio_interval(mine, theirs)
-    bounds = "[no interval]" if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
-    return f"{mine['tau'] / theirs['tau']:.3f} {bounds}"
+    bounds = unpaired if interval is None else f"[{interval[0]:.2f}-{interval[1]:.2f}]"
+    return f"{mine['tau'] / theirs['tau']:.{digits}f} {bounds}".rstrip()
 
 
 def paired_ratio_text(mine: Reports, theirs: Reports, before_loops_too: bool = True) -> str:
@@ -601,19 +603,22 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
     `recipes`: name -> eval folders (KIND.json, KIND_t1.json); a recipe pools, per kind,
     the runs that evaluated it ("(n)": how many)."""
 
-    def reports(name: str, kind: str) -> list[dict[str, Any]]:
-        found = [folder / f"{kind}.json" for folder in recipes[name]]
-        out = []
-        for path in found:
-            if path.is_file():
-                try:
-                    out.append(json.loads(path.read_text()))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"pairs: {path}: not an eval report ({err})") from None
-        return out
+    def read(path: Path) -> dict[str, Any]:
+        try:
+            report: dict[str, Any] = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"pairs: {path}: not an eval report ({err})") from None
+        return report
+
+    kinds_read = [k + suffix for k in KINDS for suffix in ("", "_t1")]
+    loaded = {  # (recipe, kind) -> the reports of the runs that evaluated it, each read once
+        (name, kind): [read(f / f"{kind}.json") for f in folders if (f / f"{kind}.json").is_file()]
+        for name, folders in recipes.items()
+        for kind in kinds_read
+    }
 
     def view(name: str, kind: str, loops: bool) -> dict[str, Any] | None:
-        runs = reports(name, kind)
+        runs = loaded[name, kind]
         try:
             return pooled_view(runs, loops) if runs else None
         except ValueError as err:
@@ -621,7 +626,7 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
             raise ValueError(f"pairs: {name} ({folders}), {kind}: {err}") from None
 
     def table(title: str, suffix: str, loops: bool) -> str:
-        kinds = [k for k in KINDS if any(reports(n, k + suffix) for n in recipes)]
+        kinds = [k for k in KINDS if any(loaded[n, k + suffix] for n in recipes)]
         if not kinds:
             return ""
         head = ["run"]
@@ -632,7 +637,7 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
             cells = [name]
             for kind in kinds:
                 a, b = view(name, kind + suffix, loops), view(baseline, kind + suffix, loops)
-                runs = len(reports(name, kind + suffix))
+                runs = len(loaded[name, kind + suffix])
                 cells.append("—" if a is None else f"{a['tau']:.3f} ({runs})")
                 if a is None or b is None or name == baseline:
                     cells.append("—")
@@ -776,11 +781,7 @@ def compare_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> st
                 elif not same_prompts(mine, theirs):
                     out.append("— (other prompts)")  # a ratio of two prompt sets means nothing
                 else:
-                    ratio = f"{mine['tau'] / theirs['tau']:.2f}"
-                    interval = tau_ratio_interval(mine, theirs)
-                    if interval is not None:
-                        ratio += f" [{interval[0]:.2f}-{interval[1]:.2f}]"
-                    out.append(ratio)
+                    out.append(ratio_cell(mine, theirs, 2, unpaired=""))
         return out
 
     for row in rows:

@@ -276,6 +276,12 @@ class BlockStats:
         }
 
 
+def decay_gamma(loss: LossSection, block_size: int) -> float:
+    """The decay weighting's gamma: `loss.gamma`, or when unset 7 for B = 16 (DFlash paper),
+    scaled by B / 16."""
+    return loss.gamma if loss.gamma is not None else 7.0 * block_size / 16
+
+
 def loss_slot_weights(loss: LossSection, block_size: int) -> Tensor:
     """[B] the run's slot weights w_k: the decay's exp(-(k-1)/gamma) (gamma None: 7 for
     B = 16, scaled by B / 16), or for D-PACE [0, 1, ..., 1], whose W comes per block from the
@@ -284,8 +290,7 @@ def loss_slot_weights(loss: LossSection, block_size: int) -> Tensor:
         weights = torch.ones(block_size)
         weights[0] = 0.0  # the anchor slot is never trained
         return weights
-    gamma = loss.gamma if loss.gamma is not None else 7.0 * block_size / 16
-    return slot_weights(block_size, gamma)
+    return slot_weights(block_size, decay_gamma(loss, block_size))
 
 
 def dpace_alpha_of(loss: LossSection) -> float | None:
