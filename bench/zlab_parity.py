@@ -6,25 +6,77 @@ Both loops run on the same target (SmolLM2-135M-Instruct, fp32 on the CPU), the 
 export (`benchmarks/artifacts/smollm2-135m-dflash`) and the same held-out prompts, T = 0;
 prints both taus and step counts, then one JSON line. In fp32 the two must agree exactly
 (the bf16 GPU run of `bench/quality.py` differs at the target's near-ties: its continuations
-leave each other and the taus are measured on different text).
+leave each other and the taus are measured on different text). `zlab_parity` is also what
+`bench/quality.py`'s eval stage runs beside each held-out T = 0 eval.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from quality import zlab_parity  # beside this script
 
 from flashdraft.assets import smollm2_path
-from flashdraft.benchutil import environment, print_json
-from flashdraft.eval.evaluate import EvalConfig
+from flashdraft.benchutil import environment, free_memory, print_json
+from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
+from flashdraft.eval.prompts import load_prompts
+from flashdraft.eval.speculative import eos_token_ids
+from flashdraft.train.checkpoint import load_drafter
 
 ARTIFACT = Path(__file__).resolve().parents[1] / "benchmarks/artifacts/smollm2-135m-dflash"
+
+
+def zlab_parity(config: EvalConfig) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """`flashdraft eval` (its HF loop) and z-lab's loop on the same export and prompts, both
+    in fp32, where the two must agree (in bf16 a near-tie of the target's top logits flips
+    between the two loops' forwards and the taus are measured on different text,
+    benchmarks/zlab_parity_cpu_20261201.md): (our report, z-lab's tau and steps), or None
+    without the `dflash` package."""
+    if importlib.util.find_spec("dflash") is None:
+        return None
+    fp32 = dataclasses.replace(config, dtype="float32", decoder="hf")
+    model, tokenizer = load_eval_target(fp32)
+    ours = run_eval(fp32, model, tokenizer, load_drafter(config.drafter))
+    theirs = zlab_reference(model, tokenizer, fp32)
+    del model
+    free_memory()
+    return None if theirs is None else (ours, theirs)
+
+
+def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, Any] | None:
+    """tau of z-lab's own draft-and-verify loop (`dflash.model.dflash_generate`) on the same
+    export and prompts, when the `dflash` package is installed; else None."""
+    if importlib.util.find_spec("dflash") is None:
+        return None
+    from unittest import mock
+
+    from dflash import model as zlab  # optional: z-lab's reference implementation
+
+    parameter = next(model.parameters())
+    draft = zlab.DFlashDraftModel.from_pretrained(config.drafter, dtype=parameter.dtype)
+    draft = draft.to(parameter.device).eval()
+    stop = sorted(eos_token_ids(model, tokenizer))
+    lengths: list[int] = []
+    # Its stats timer synchronises CUDA unconditionally; on the CPU a plain clock does.
+    timer = zlab._cuda_time if parameter.device.type == "cuda" else time.perf_counter
+    with mock.patch.object(zlab, "_cuda_time", timer):
+        for prompt in load_prompts(config.prompts, tokenizer, config.limit):
+            ids = torch.tensor([prompt.input_ids], device=parameter.device)
+            stats = zlab.dflash_generate(
+                draft, model, ids, config.max_new_tokens, stop, return_stats=True
+            )
+            lengths += [int(n) for n in stats.acceptance_lengths]
+    return {"tau": sum(lengths) / len(lengths) if lengths else None, "steps": len(lengths)}
+
+
+# ---- the command ----
 
 
 def main() -> int:

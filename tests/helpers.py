@@ -308,3 +308,52 @@ def speculators_oracle(module: str = "speculators") -> ModuleType:
     except metadata.PackageNotFoundError:
         pytest.skip("speculators is not installed (make test installs it: the Makefile's ORACLES)")
     return importlib.import_module(module)
+
+
+def quality_eval_report(tau: float, acc: list[float], **extra: object) -> dict:
+    return {
+        "tau": tau,
+        "num_prompts": 8,
+        "per_position_acceptance": acc,
+        "lossless_prompts": 7,
+        "near_tie_prompts": 1,
+        "unexplained_mismatch_prompts": 0,
+        **extra,
+    }
+
+
+def synthetic_quality_run(out: Path) -> None:
+    """A finished `bench/quality.py` run in OUT/runs/r: metrics of 10 logged intervals (evals at steps 50 and 100), two
+    held-out reports, the split and the stage markers."""
+    run = out / "runs" / "r"
+    (run / "eval").mkdir(parents=True)
+    lines = []
+    for step in range(10, 101, 10):
+        record = {"step": step, "loss": 5.0 - step / 50, "tau_hat": 1 + step / 100, "tokens": 81920}
+        if step in (50, 100):
+            record["eval_tau"] = 1.5 if step == 50 else 2.25
+        lines.append(json.dumps(record))
+    # Step 30 logged before a crash, then again by the resumed run: the later line counts.
+    lines.insert(2, json.dumps({"step": 30, "loss": 9.0, "tau_hat": 9.0, "tokens": 1}))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    zlab = {"tau": 2.4, "steps": 10}
+    (run / "eval" / "chat.json").write_text(
+        json.dumps(quality_eval_report(2.5, [0.6, 0.4, 0.2], speedup=1.8, zlab_reference=zlab))
+    )
+    looped = {**quality_eval_report(3.75, [0.8] * 15), "loop_prompts": 3, "tau_before_loops": 2.9}
+    (run / "eval" / "humaneval.json").write_text(json.dumps(looped))
+    (run / "eval" / "chat_t1.json").write_text(json.dumps(quality_eval_report(1.4, [0.3, 0.1])))
+    (run / "eval" / "chat_trained.json").write_text(
+        json.dumps(quality_eval_report(4.6, [0.7, 0.5]))
+    )
+    (out / "stages").mkdir()
+    (out / "stages" / "train-r.json").write_text(json.dumps({"finished": True, "seconds": 612.0}))
+    sampling = {"temperature": 0.0, "max_new_tokens": 256}
+    (out / "stages" / "generate-greedy.json").write_text(
+        json.dumps({"settings": {"prompts": 1000, "sampling": sampling, "seed": 0}, "seconds": 9})
+    )
+    (out / "prompts").mkdir()
+    counts = {"sources": 10, "held_out_sources": 2, "train_prompts": 30, "held_out_prompts": 6}
+    (out / "prompts" / "split.json").write_text(
+        json.dumps({"settings": {"seed": 3}, "counts": {"chat": counts}})
+    )

@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench() -> dict[str, ModuleType]:
-    """bench/peer_recipe.py and bench/quality.py as modules (they import their neighbours)."""
-    return bench_modules("peer_recipe", "quality")
+    """bench/peer_recipe.py, bench/quality.py and the report module beside them, as modules
+    (they import their neighbours)."""
+    return bench_modules("peer_recipe", "quality", "quality_report")
 
 
 def test_the_peer_trains_on_the_rows_of_the_quality_run(
@@ -142,7 +143,7 @@ def test_the_peer_is_evaluated_on_the_eval_stages_prompts(
     FILE (spread over sources, not its first N), and the report names each prompt's source:
     `compare` pairs the peer with the runs prompt by prompt (s25: the first 24 of the chat
     file came from 8 conversations, the eval stage's 24 from 24)."""
-    peer, quality = bench["peer_recipe"], bench["quality"]
+    peer, quality_report = bench["peer_recipe"], bench["quality_report"]
     held_out = tmp_path / "held_out" / "chat.jsonl"
     held_out.parent.mkdir()
     sources = ["a", "a", "a", "b", "c", "c"]
@@ -171,7 +172,7 @@ def test_the_peer_is_evaluated_on_the_eval_stages_prompts(
     result = peer.evaluate(config, "target", tmp_path / "export", "cpu")
     assert seen["ids"] == ["p0", "p3", "p4"]  # one per source first
     stage = tmp_path / "stage.jsonl"
-    quality.write_spread_subset(held_out, stage, 3)  # what the eval stage evaluates
+    quality_report.write_spread_subset(held_out, stage, 3)  # what the eval stage evaluates
     assert [json.loads(x)["id"] for x in stage.read_text().splitlines()] == seen["ids"]
     report = json.loads((output / "eval" / "chat.json").read_text())
     assert [p["source"] for p in report["per_prompt"]] == ["a", "b", "c"]

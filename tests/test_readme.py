@@ -144,7 +144,8 @@ def _block_commands(lines: list[str]) -> list[str]:
 
 def test_the_file_tree_names_every_module() -> None:
     """The README's Files tree has a line for every module of the package (each package's
-    `__init__` and the one-line `commands/` excepted), so a new module cannot go unlisted."""
+    `__init__` and the one-line `commands/` excepted) and every script of bench/, so a new
+    module cannot go unlisted."""
     text = (REPO / "README.md").read_text()
     tree = text[text.index("## Files") :]
     listed = {
@@ -157,6 +158,8 @@ def test_the_file_tree_names_every_module() -> None:
         if p.name != "__init__.py" and p.parent.name != "commands"
     }
     assert not modules - listed, f"modules missing from the README's Files tree: {modules - listed}"
+    scripts = {p.name for p in (REPO / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    assert not scripts - listed, f"bench/ scripts missing from the Files tree: {scripts - listed}"
 
 
 def test_the_extraction_finds_commands_in_blocks_and_inline_spans() -> None:

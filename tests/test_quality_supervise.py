@@ -1,0 +1,166 @@
+"""bench/quality_supervise.py: `flashdraft train` under a deadline, stopped just after a
+checkpoint and resumed from one after a crash (fake training scripts stand in for it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from helpers import bench_modules
+
+
+@pytest.fixture(scope="module")
+def supervise_module() -> ModuleType:
+    return bench_modules("quality_supervise")["quality_supervise"]
+
+
+FAKE_TRAIN = """
+import json, pathlib, sys, time
+run = pathlib.Path(sys.argv[1])
+run.mkdir(exist_ok=True)
+time.sleep(1.5)  # start-up: not a step
+for step in range(1, int(sys.argv[2]) + 1):
+    time.sleep(0.4)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "step_s": 0.4}) + "\\n")
+    done = run / "checkpoints" / f"step_{step:08d}"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / "COMPLETE").write_text("")
+(run / "export").mkdir(exist_ok=True)
+(run / "export" / "config.json").write_text("{}")
+sys.exit(int(sys.argv[3]))
+"""
+
+
+def test_training_stops_just_after_a_checkpoint_at_the_deadline(
+    supervise_module: ModuleType, tmp_path: Path
+) -> None:
+    script = tmp_path / "fake_train.py"
+    script.write_text(textwrap.dedent(FAKE_TRAIN))
+    run = tmp_path / "run"
+
+    def supervise(steps: int, budget: float | None, code: int = 0) -> bool:
+        command = [sys.executable, str(script), str(run), str(steps), str(code)]
+        finished: bool = supervise_module.supervise(
+            command, tmp_path / "log", run, budget, margin=0.5
+        )
+        return finished
+
+    started = time.monotonic()
+    assert supervise(100, budget=4.0) is False
+    assert time.monotonic() - started < 5.0
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert 3 <= len(steps) <= 9 and not (run / "export").exists()
+    # It stopped right after a checkpoint: no step was lost.
+    assert time.time() - (run / "checkpoints" / steps[-1]).stat().st_mtime < 1.5
+    assert supervise(2, budget=None) is True  # the rest of the run, to its export
+    with pytest.raises(RuntimeError, match="exited 3"):
+        supervise(0, budget=None, code=3)
+
+
+CRASHING_TRAIN = """
+import pathlib, sys
+run, crashes, then = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+with open(run / "calls.txt", "a") as f:
+    f.write(" ".join(sys.argv[4:]) + "\\n")
+calls = len((run / "calls.txt").read_text().splitlines())
+if calls <= crashes:  # save one more checkpoint, then die
+    done = run / "checkpoints" / f"step_{calls:08d}"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / "COMPLETE").write_text("")
+    print("RuntimeError: CUDA driver error: unspecified launch failure")
+    sys.exit(1)
+if then == "die":  # dies before its next checkpoint
+    sys.exit(1)
+(run / "export").mkdir(exist_ok=True)
+(run / "export" / "config.json").write_text("{}")
+"""
+
+
+def test_a_training_that_dies_after_a_checkpoint_resumes_from_it_at_once(
+    supervise_module: ModuleType, tmp_path: Path
+) -> None:
+    """s28: `pe`'s training died of a CUDA fault (Xid 43) after its step-4,000 checkpoint and
+    waited for the next device call; the same steps then ran through. A death after a new
+    checkpoint now resumes from it in the same call (with `--resume`); a death before any
+    new checkpoint, first time or after a resume, raises with the log's tail; with too
+    little time left it stops (False) for the next call."""
+    script = tmp_path / "crashing_train.py"
+    script.write_text(textwrap.dedent(CRASHING_TRAIN))
+
+    def run_with(
+        crashes: int, then: str = "finish", left: float | None = None
+    ) -> tuple[bool, list[str]]:
+        run = tmp_path / f"run{crashes}{then}{left}"
+        run.mkdir()
+        command = [sys.executable, str(script), str(run), str(crashes), then, "train"]
+        finished: bool = supervise_module.supervise_resuming(
+            command, run / "log", run, lambda: left
+        )
+        return finished, (run / "calls.txt").read_text().splitlines()
+
+    assert run_with(0) == (True, ["train"])
+    assert run_with(2) == (True, ["train", "train --resume", "train --resume"])
+    assert run_with(1, left=30.0) == (False, ["train"])  # under 90 s left: the next call
+    for crashes in (0, 1):  # no checkpoint saved before it died: not a passing fault
+        with pytest.raises(RuntimeError, match="exited 1"):
+            run_with(crashes, "die")
+    assert (tmp_path / "run1dieNone" / "calls.txt").read_text().split("\n")[:2] == [
+        "train",
+        "train --resume",
+    ]
+
+
+FINAL_TRAIN = """
+import json, pathlib, sys, time
+run = pathlib.Path(sys.argv[1])
+for step in (1, 2):
+    time.sleep(2.0)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "step_s": 2.0}) + "\\n")
+    done = run / "checkpoints" / f"step_{step:08d}"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / "state.json").write_text(json.dumps({"step": step, "total_steps": 2}))
+    (done / "COMPLETE").write_text("")
+time.sleep(0.3)  # the export
+(run / "export").mkdir(exist_ok=True)
+(run / "export" / "config.json").write_text("{}")
+"""
+
+
+def test_the_last_checkpoint_is_not_a_stop_the_export_follows(
+    supervise_module: ModuleType, tmp_path: Path
+) -> None:
+    """A step takes 2 s and ~1.4 s are left after the last one's checkpoint: another
+    checkpoint would not fit, but there is none to come, only the export (m6, 2026-12-02,
+    stopped 26 s before its deadline with its export unwritten)."""
+    script = tmp_path / "final_train.py"
+    script.write_text(textwrap.dedent(FINAL_TRAIN))
+    run = tmp_path / "run"
+    run.mkdir()
+    command = [sys.executable, str(script), str(run)]
+    assert supervise_module.supervise(command, tmp_path / "log", run, 5.5, margin=0.2) is True
+    assert (run / "export" / "config.json").exists()
+
+
+def test_the_time_per_step_ignores_windows_with_an_eval_or_a_restart(
+    supervise_module: ModuleType, tmp_path: Path
+) -> None:
+    """The deadline's step time: a window that held an in-training eval (1.4 s "per step",
+    as a resumed run logged at its eval step on 2026-12-02) or a restart's compilation must
+    not make the next checkpoint look 20x further off than it is."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert supervise_module._seconds_per_step(run) is None
+    records = [{"step": 20 * i, "step_s": 0.05} for i in range(1, 12)]
+    records[0]["step_s"] = 0.4  # the window after a restart: compilation
+    records.append({"step": 240, "step_s": 1.4352, "eval_tau": 2.8})
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + "{not json\n"
+    )
+    assert supervise_module._seconds_per_step(run) == pytest.approx(0.05)
