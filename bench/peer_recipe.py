@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import itertools
 import json
 import math
@@ -49,7 +48,7 @@ from quality_report import add_sources, write_spread_subset
 
 from flashdraft import assets, storage
 from flashdraft import config as cfg
-from flashdraft.benchutil import environment, print_json, print_table
+from flashdraft.benchutil import environment, free_memory, print_json, print_table
 from flashdraft.config import option
 from flashdraft.data.dataset import MANIFEST
 from flashdraft.data.prepare import PrepareConfig, prepare
@@ -782,9 +781,7 @@ def train_stage(
         return None
     trained["export"] = export(model, out, c)
     del model
-    gc.collect()
-    if plan.info.device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory()
     storage.write_text_atomic(
         str(out / "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in trained["history"])
     )

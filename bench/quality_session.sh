@@ -246,35 +246,45 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
   # DIR/peer_eval.txt. Carry .whl/peers in the first call that runs it. PEER_NAME: the run
   # folder (peer-speculators), e.g. PEER_NAME=peer-seed1 PEER_ARGS="--epochs 2 --seed 1" for
   # a second peer beside the first (its seed noise; `compare --peer OUT/runs/peer-seed1`).
+  # PEER_LOG: the logs' name (peer: DIR/peer.txt, DIR/peer_eval.txt), one per peer when
+  # several run at once (`multi` with PEERS).
   local start=$1 budget=$2 min=$3 dir=$4 name=${PEER_NAME:-peer-speculators} left
-  local peer=$RUN_DIR/runs/$name
+  local peer=$RUN_DIR/runs/$name log=$4/${PEER_LOG:-peer}
   mkdir -p "$dir"
-  if ls .whl/peers/*.whl > /dev/null 2>&1 \
-    && ! $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1; then
-    echo "== peer: the wheels in .whl/peers did not install" >> "$dir/peer.txt"
-  fi
+  install_peer_wheels "$log.txt"
   left=$((budget - $(date +%s) + start))
   if [ "$left" -lt "$min" ]; then
     echo "== peer: ${left} s left, not started; the same stage in the next call goes on" \
-      >> "$dir/peer.txt"
+      >> "$log.txt"
     return 0
   fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
   PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 30)) python3 bench/peer_recipe.py \
     ${PEER_ARGS:-} --deadline $((left - 20)) --data "$RUN_DIR/data" --output "$peer" \
-    >> "$dir/peer.txt" 2>&1
-  echo "== peer exit $? after $(($(date +%s) - start)) s" >> "$dir/peer.txt"
+    >> "$log.txt" 2>&1
+  echo "== peer exit $? after $(($(date +%s) - start)) s" >> "$log.txt"
   if [ ! -f "$peer/report.json" ]; then  # stopped for the deadline: the next call goes on
-    echo "== peer: not trained yet; the same stage in the next call goes on" >> "$dir/peer.txt"
+    echo "== peer: not trained yet; the same stage in the next call goes on" >> "$log.txt"
     return 0
   fi
   left=$((budget - $(date +%s) + start))
   if [ "$left" -le 150 ]; then
-    echo "== peer eval: ${left} s left, not started; the next call evaluates" >> "$dir/peer.txt"
+    echo "== peer eval: ${left} s left, not started; the next call evaluates" >> "$log.txt"
     return 0
   fi
-  run_quality "$dir/peer_eval.txt" $((left + 30)) "$dir" eval --run "$name" \
+  run_quality "${log}_eval.txt" $((left + 30)) "$dir" eval --run "$name" \
     --deadline $((left - 20))
+}
+
+install_peer_wheels() {  # install_peer_wheels LOG: .whl/peers into /tmp/peer-site, once per
+  # machine (several peers started at once would otherwise install over each other)
+  [ -f /tmp/peer-site/.installed ] && return 0
+  ls .whl/peers/*.whl > /dev/null 2>&1 || return 0
+  if $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1; then
+    touch /tmp/peer-site/.installed
+  else
+    echo "== peer: the wheels in .whl/peers did not install" >> "$1"
+  fi
 }
 
 send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over several calls. A
@@ -520,7 +530,11 @@ multi)
   # --prune-from=ref6 ...": the two runs of the drafter shipped until s24); the same call
   # again goes on where it stopped.
   start=${CALL_START:-$(date +%s)}
-  IFS=';' read -ra specs <<< "${ABLATIONS:?ABLATIONS=\"NAME KEY=VALUE ...;NAME ...\"}"
+  if [ -z "${ABLATIONS:-}${PEERS:-}" ]; then
+    echo 'multi: set ABLATIONS="NAME KEY=VALUE ...;NAME ..." and/or PEERS="NAME FLAGS...;..."' >&2
+    exit 2
+  fi
+  IFS=';' read -ra specs <<< "${ABLATIONS:-}"
   mkdir -p "$OUT/multi"
   names=()
   read -ra gpus <<< "${MULTI_GPUS:-}"  # e.g. "0 1" (the x2 machine): runs round-robin on them
@@ -528,6 +542,20 @@ multi)
   # other graphs than the runs, so it need not wait for their first step)
   [ "${PEER_BESIDE:-0}" = 1 ] && peer_and_eval "$start" "${MULTI_BUDGET:-540}" \
     "${MULTI_MIN:-200}" "$OUT/multi" &
+  # PEERS="NAME FLAGS...;NAME FLAGS...": several peer recipes beside them (ABLATIONS may then
+  # be empty), each peer_and_eval with PEER_NAME=NAME, PEER_ARGS=FLAGS and its own logs
+  # (multi/NAME.txt, multi/NAME_eval.txt), e.g. two seeds of the peer at its own anchors:
+  # PEERS="peer-a512 --epochs 2 --anchors 512;peer-a512s1 --epochs 2 --anchors 512 --seed 1"
+  peers=()
+  IFS=';' read -ra peer_specs <<< "${PEERS:-}"
+  for spec in "${peer_specs[@]}"; do
+    read -ra words <<< "$spec"
+    [ "${#words[@]}" -gt 0 ] || continue
+    install_peer_wheels "$OUT/multi/${words[0]}.txt"  # once, before they start together
+    PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} \
+      peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" "$OUT/multi" &
+    peers+=("${words[0]}")
+  done
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
@@ -559,6 +587,11 @@ multi)
   wait
   [ "${PEER_BESIDE:-0}" = 1 ] && { echo "== peer"; grep -v "Loading weights" \
     "$OUT/multi/peer.txt" "$OUT/multi/peer_eval.txt" 2> /dev/null | tail -n 8; }
+  for name in "${peers[@]}"; do
+    echo "== $name"
+    grep -v "Loading weights" "$OUT/multi/$name.txt" "$OUT/multi/${name}_eval.txt" \
+      2> /dev/null | tail -n 8
+  done
   for name in "${names[@]}"; do
     echo "== $name"
     grep -v "Loading weights" "$OUT/multi/ablate_$name.txt" | tail -n 6

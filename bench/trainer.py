@@ -27,7 +27,6 @@ the linear layers). `--target-layers N` shortens the target if it does not fit (
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashdraft.benchutil import environment, matmul_peak, print_json, print_table
+from flashdraft.benchutil import environment, free_memory, matmul_peak, print_json, print_table
 from flashdraft.log import get_logger
 from flashdraft.model import varlen
 from flashdraft.model.attention import FLEX_OPTIONS
@@ -382,9 +381,7 @@ def main() -> int:
     results = []
     for i, row in enumerate(rows):
         results += bench_row_length(args, device, model, row, first=i == 0)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory()
     summary = summarise(
         [r for r in results if r["row"] == rows[0] and "no overlap" not in r["what"]], peak
     )

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -368,6 +369,63 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
     assert (run_dir / "runs" / "peer-speculators" / "report.json").exists()
     copied = json.loads((tmp_path / "out" / "peer_report.json").read_text())
     assert copied["output"] == f"{run_dir}/runs/peer-seed1"  # its own report comes back
+
+
+def test_multi_runs_several_peers_side_by_side_each_with_its_own_folder_and_logs(
+    tmp_path: Path,
+) -> None:
+    """`multi` with PEERS="NAME FLAGS...;...": each peer recipe trains into its own run folder
+    with its own flags, beside the others, and is then evaluated by the runs' eval stage
+    under its name; each keeps its own logs in multi.tgz; ABLATIONS may be empty then, and
+    neither set is a one-line error. Both scripts are stand-ins that log their arguments."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "peer_recipe.py").write_text(textwrap.dedent('''
+        import json, os, pathlib, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("peer_recipe " + " ".join(sys.argv[1:]) + "\\n")
+        out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps({"output": str(out)}))
+        print("trained " + out.name)
+    '''))  # fmt: skip
+    (bench / "quality.py").write_text(textwrap.dedent('''
+        import os, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("quality " + " ".join(sys.argv[1:]) + "\\n")
+        print("eval chat: tau 2.000 on 24 prompts, run " + sys.argv[sys.argv.index("--run") + 1])
+    '''))  # fmt: skip
+    (tmp_path / "site").mkdir()
+    calls, run_dir, out = tmp_path / "calls.txt", tmp_path / "run", tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "HOME": str(tmp_path),
+           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(run_dir),
+           "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1",
+           "PEERS": "pa --epochs 2 --anchors 512;pb --epochs 2 --anchors 512 --seed 1"}  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    lines = calls.read_text().splitlines()
+    trained = sorted(line for line in lines if line.startswith("peer_recipe"))
+    assert len(trained) == 2
+    assert trained[0].startswith("peer_recipe --epochs 2 --anchors 512 --deadline ")
+    assert trained[0].endswith(f"--output {run_dir}/runs/pa")
+    assert trained[1].startswith("peer_recipe --epochs 2 --anchors 512 --seed 1 --deadline ")
+    assert trained[1].endswith(f"--output {run_dir}/runs/pb")
+    evaluated = sorted(line.split("--deadline")[0] for line in lines if line.startswith("quality"))
+    assert evaluated == ["quality eval --run pa ", "quality eval --run pb "]
+    assert "== pa" in done.stdout and "== pb" in done.stdout
+    with tarfile.open(out / "multi.tgz") as archive:
+        logs = {Path(name).name: archive.extractfile(name) for name in archive.getnames()}
+        texts = {k: v.read().decode() for k, v in logs.items() if v is not None}
+    assert "trained pa" in texts["pa.txt"] and "trained pb" in texts["pb.txt"]
+    assert "run pa" in texts["pa_eval.txt"] and "run pb" in texts["pb_eval.txt"]
+    nothing = subprocess.run(
+        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
+        env={**env, "PEERS": ""}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert nothing.returncode == 2 and "ABLATIONS" in nothing.stderr and "PEERS" in nothing.stderr
 
 
 def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:
