@@ -323,8 +323,8 @@ def quality_eval_report(tau: float, acc: list[float], **extra: object) -> dict:
 
 
 def synthetic_quality_run(out: Path) -> None:
-    """A finished `bench/quality.py` run in OUT/runs/r: metrics of 10 logged intervals (evals at steps 50 and 100), two
-    held-out reports, the split and the stage markers."""
+    """A finished `bench/quality.py` run in OUT/runs/r: metrics of 10 logged intervals (evals
+    at steps 50 and 100), two held-out reports, the split and the stage markers."""
     run = out / "runs" / "r"
     (run / "eval").mkdir(parents=True)
     lines = []

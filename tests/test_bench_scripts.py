@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 import torch
-from helpers import rows_by_part
+from helpers import rows_by_part, speculators_oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,6 +119,32 @@ def test_the_drafter_bench_passes_the_residual_dtype_to_the_loss(monkeypatch) ->
         row = bench.drafter_row(args, bench.make_config(args), torch.device("cpu"), 256)
         assert seen and set(seen) == {expected}
         assert row["residual_dtype"] == choice
+
+
+def test_the_peers_bench_runs_its_readme_lines_in_smoke_sizes(tmp_path: Path) -> None:
+    """The README's `bench/peers.py` lines, smoke-sized: one size per run with --out, then
+    --merge of the two files into one table. flashdraft's step and speculators' (the oracle
+    `make test` installs) run, their losses agree on the parity pass, and a framework that is
+    not installed (SpecForge here) is a row with its status, not a crash."""
+    speculators_oracle()
+    common = ["bench/peers.py", "--smoke", "--frameworks", "flashdraft,speculators"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    run(*common, "--sizes", "256:16", "--out", str(a))
+    run(*common, "--sizes", "512:32", "--parity-anchors", "0", "--out", str(b))
+    first = json.loads(a.read_text())
+    assert [r["status"] for r in first["rows"]] == ["ok", "ok"]
+    assert first["parity"]["speculators_rel_diff"] < 1e-6
+    merged = json.loads(run("bench/peers.py", "--merge", str(a), str(b)).strip().splitlines()[-1])
+    assert [(r["framework"], r["context"]) for r in merged["rows"]] == [
+        ("flashdraft", 256), ("speculators", 256), ("flashdraft", 512), ("speculators", 512)
+    ]  # fmt: skip
+    assert set(merged["ratios"]) == {"256:16", "512:32"}
+    missing = json.loads(
+        run("bench/peers.py", "--smoke", "--sizes", "256:16", "--parity-anchors", "0",
+            "--frameworks", "specforge").strip().splitlines()[-1]
+    )  # fmt: skip
+    if importlib.util.find_spec("specforge") is None:
+        assert missing["rows"][0]["status"].startswith("failed: ModuleNotFoundError")
 
 
 def test_the_prefill_profile_runs_on_cpu() -> None:
