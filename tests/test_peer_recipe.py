@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench() -> dict[str, ModuleType]:
-    """bench/peer_recipe.py, bench/quality.py and the report module beside them, as modules
-    (they import their neighbours)."""
-    return bench_modules("peer_recipe", "quality", "quality_report")
+    """bench/peer_recipe.py with its settings (peer_config) and saved state (peer_state), and
+    bench/quality.py with its report module, as modules (they import their neighbours)."""
+    return bench_modules("peer_recipe", "peer_config", "peer_state", "quality", "quality_report")
 
 
 def test_the_peer_trains_on_the_rows_of_the_quality_run(
@@ -39,7 +39,7 @@ def test_the_peer_trains_on_the_rows_of_the_quality_run(
         ["--data", str(tmp_path / "data"), "--output", str(tmp_path / "peer"), *common]
     )
     assert config.data is not None
-    theirs = bench["peer_recipe"].run_config(config, config.data, "/models/smol", "cpu").to_dict()
+    theirs = bench["peer_config"].run_config(config, config.data, "/models/smol", "cpu").to_dict()
     assert theirs["eval"]["every"] == 0
     for run in (ours, theirs):
         del run["output"], run["eval"]
@@ -53,9 +53,9 @@ def test_the_caveats_describe_flashdraft_from_the_run_config(
     get (`run_config`'s: the preset the quality runs start from): its Muon and soft labels
     (s29 found them printed as "AdamW" and "CE" whatever the run used), and other settings
     when the config says so."""
-    peer = bench["peer_recipe"]
+    peer = bench["peer_config"]
     common = ["--data", str(tmp_path / "d"), "--output", "o", "--target", "/m", "--device", "cpu"]
-    config = peer.parse(common)
+    config = bench["peer_recipe"].parse(common)
     preset = peer.run_config(config, config.data, "/m", "cpu")
     loss, optim = peer.flashdraft_loss_text(preset), peer.flashdraft_optim_text(preset)
     assert loss.startswith("KL to the target's top-32 distribution, exp(-(k-1)/7.0) slot decay")
@@ -90,10 +90,12 @@ def test_peer_epochs_give_the_run_of_an_epochs_ablation(
     argv = ["train", "--output", str(tmp_path), *common, "--set", "optim.epochs=2"]
     _, quality_config, sets = bench["quality"].parse(argv)
     ours = bench["quality"].Pipeline(quality_config, sets).run_config().to_dict()
-    peer = bench["peer_recipe"]
+    peer = bench["peer_config"]
     runs = {}
     for extra in ([], ["--epochs", "2"]):
-        config = peer.parse(["--data", str(tmp_path / "data"), "--output", "o", *common, *extra])
+        config = bench["peer_recipe"].parse(
+            ["--data", str(tmp_path / "data"), "--output", "o", *common, *extra]
+        )
         assert config.data is not None
         runs[len(extra)] = peer.run_config(config, config.data, "/models/smol", "cpu").to_dict()
     assert ours["optim"]["epochs"] == runs[2]["optim"]["epochs"] == 2
@@ -114,7 +116,7 @@ def test_the_peers_anchors_are_the_runs_unless_given(
 
     import torch
 
-    peer = bench["peer_recipe"]
+    peer = bench["peer_config"]
     drafter = SimpleNamespace(
         num_hidden_layers=5, block_size=16, target_layer_ids=[1, 8], mask_token_id=0,
         vocab_size=10,
@@ -123,7 +125,7 @@ def test_the_peers_anchors_are_the_runs_unless_given(
     got = {}
     flags = {"default": [], "a512": ["--anchors", "512"], "seed7": ["--seed", "7"]}
     for name, extra in flags.items():
-        config = peer.parse([*common, "--output", "o", *extra])
+        config = bench["peer_recipe"].parse([*common, "--output", "o", *extra])
         assert config.data is not None
         run = peer.run_config(config, config.data, "/models/smol", "cpu")
         assert run.loss.anchors == 2048
@@ -167,7 +169,7 @@ def test_the_peer_is_evaluated_on_the_eval_stages_prompts(
 
     monkeypatch.setattr(peer, "write_report", write_json)
     output = tmp_path / "peer"
-    config = peer.parse(["--output", str(output), "--data", "d", "--eval-prompts", str(held_out),
+    config = bench["peer_recipe"].parse(["--output", str(output), "--data", "d", "--eval-prompts", str(held_out),
                          "--eval-limit", "3", "--device", "cpu"])  # fmt: skip
     result = peer.evaluate(config, "target", tmp_path / "export", "cpu")
     assert seen["ids"] == ["p0", "p3", "p4"]  # one per source first
@@ -187,7 +189,7 @@ def test_a_saved_state_survives_a_kill_while_saving(
     two renames is found in resume.old."""
     import torch
 
-    peer = bench["peer_recipe"]
+    peer = bench["peer_state"]
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -283,7 +285,7 @@ def test_the_peer_step_settings_are_the_device_plans(bench: dict[str, ModuleType
     gives the words of run `pe` in dev/LOG.md's newest device plan; a setting it cannot map
     is a one-line error naming it."""
     speculators_oracle()
-    peer = bench["peer_recipe"]
+    peer = bench["peer_config"]
     flat = peer.speculators_settings()
     words = peer.flashdraft_overrides(flat, 4626)
     log = (ROOT / "dev" / "LOG.md").read_text()

@@ -63,7 +63,7 @@ class Pair:
     packed row with its features, labels and anchors (valid under both anchor rules)."""
 
     def __init__(self, root: Path, docs: list[tuple[int, int, int]]) -> None:
-        peer: Any = bench_modules("peer_recipe")["peer_recipe"]
+        peer: Any = bench_modules("peer_config")["peer_config"]
         self.peer = peer
         target_dir = assets.tiny_qwen3(root / "target")
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
