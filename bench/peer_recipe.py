@@ -57,7 +57,8 @@ from peer_config import (  # beside this script
     speculators_settings,
 )
 from peer_state import load_progress, save_progress
-from peers import compute_setup, framework_version
+from peers import framework_version
+from peers_steps import compute_setup
 from quality_report import add_sources, write_spread_subset
 
 from flashdraft import assets, storage
