@@ -242,7 +242,9 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
     recipe's runs (its seeds) `pooled` (the intervals then cover the prompts, not the
     seeds); at T = 0, again over the text before the loops, and at T = 1 where both ran it.
     `recipes`: name -> eval folders (KIND.json, KIND_t1.json); a recipe pools, per kind,
-    the runs that evaluated it ("(n)": how many)."""
+    the runs that evaluated it ("(n)": how many). Where a side has several runs, a last
+    table gives each run over each baseline run, lowest and highest: the seeds' own spread,
+    which the pooled intervals do not cover."""
 
     def read(path: Path) -> dict[str, Any]:
         try:
@@ -287,10 +289,34 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         return f"\n{title}\n\n" + "\n".join(lines) + "\n"
 
+    def run_by_run(suffix: str) -> str:
+        """Each run of a recipe over each run of the baseline (its taus over the whole text):
+        the lowest and highest of those ratios, what the seeds alone move on both sides."""
+        kinds = [k for k in KINDS if any(len(loaded[n, k + suffix]) > 1 for n in recipes)]
+        if not kinds:
+            return ""
+        head = ["run", *(f"{KIND_NAMES[k]}: lowest-highest" for k in kinds)]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in recipes:
+            if name == baseline:
+                continue
+            cells = [name]
+            for kind in kinds:
+                mine, theirs = loaded[name, kind + suffix], loaded[baseline, kind + suffix]
+                ratios = [a["tau"] / b["tau"] for a in mine for b in theirs if b["tau"]]
+                cells.append(
+                    f"{min(ratios):.3f}-{max(ratios):.3f} ({len(ratios)})" if ratios else "—"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+        title = f"Run by run{' at T = 1' if suffix else ''}: each run over each {baseline} run"
+        return f"\n{title} (pairs of runs in brackets):\n\n" + "\n".join(lines) + "\n"
+
     return (
         table("Held-out tau, T = 0:", "", False)
         + table("Over the text before the outputs fall into a repetition loop:", "", True)
         + table("At T = 1 (rejection sampling):", "_t1", False)
+        + run_by_run("")
+        + run_by_run("_t1")
     )
 
 

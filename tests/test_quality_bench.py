@@ -289,6 +289,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     loops = md.split("Over the text before")[1].split("At T = 1")[0]
     assert "| recipe | 2.504 (2) | 0.986 [0.96-1.03] |" in loops  # before the loops, pooled
     assert "| 3.573 (2) | 0.956 [0.94-0.97] |" in loops
+    by_run = md.split("Run by run:")[1]  # each run over each peer run (the seeds' spread)
+    assert "| recipe | 0.928-0.979 (4) | 0.934-0.987 (4) | 0.940-0.971 (4) |" in by_run
+    assert "| recipe | 1.055-1.127 (4) |" in md.split("Run by run at T = 1")[1]
 
 
 def test_the_defaults_make_the_shipped_drafters_data(

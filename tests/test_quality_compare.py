@@ -248,7 +248,8 @@ def test_the_pairs_stage_pools_each_recipes_runs_over_a_baseline(
     """`bench/quality.py pairs --runs NAME=DIR[,DIR...] --peer DIR[,DIR...]`: each recipe's
     runs (run folders or eval folders) pooled per kind over the pooled baseline, with the
     paired interval; T = 1 where both ran it; a kind a run lacks pools the runs that have
-    it; a bad entry or an empty folder is a one-line error naming it."""
+    it; each run over each baseline run (the seeds' spread) where a side has several; a bad
+    entry or an empty folder is a one-line error naming it."""
 
     def write(folder: Path, kind: str, lengths: list[list[int]]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -284,6 +285,12 @@ def test_the_pairs_stage_pools_each_recipes_runs_over_a_baseline(
     t1 = md.split("At T = 1")[1]
     assert "| a | 2.000 (1) | 2.000 [2.00-2.00] |" in t1
     assert "Over the text before" in md and str(a0 / "eval") in md
+    # run by run, where a side has several runs: chat 3.333 and 3.000 over 2.000 and 2.000;
+    # code (one run a side) and T = 1 (one run a side) are left out
+    by_run = md.split("Run by run")[1]
+    assert "| run | chat: lowest-highest |" in by_run and "mined" not in by_run
+    assert "| a | 1.500-1.667 (4) |" in by_run and "| peer |" not in by_run
+    assert "Run by run at T = 1" not in md
 
     trained_only = tmp_path / "trained_only"
     trained_only.mkdir()
