@@ -12,14 +12,18 @@
 #               first rides with .whl/min and .qcarry in call 1 (44 MB), the second alone
 #               in call 2 (54 MB); the carry limit is 64 MiB per call, the tracked tree
 #               without benchmarks/{artifacts,raw,data} ~3 MB beside it
-# Prints each path's size and each call's total against the limit, and exits 1 when a call
-# would not fit. Needs .venv (`make .venv/.installed`) and PyPI.
+# Prints each path's size and each call's total against the limit (with `peers`, call 2
+# carries .whl/peers too), and exits 1 when a call would not fit. Needs .venv (`make .venv/.installed`) and PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LIMIT=67108864
 PY=${PYTHON:-.venv/bin/python}
+case ${1:-} in
+  "" | peers) ;;
+  *) echo "usage: bash bench/carry.sh [peers]  (got: $1)" >&2; exit 2 ;;
+esac
 
-mkdir -p .whl/min
+rm -rf .whl/min && mkdir -p .whl/min
 "$PY" -m pip download -q --no-deps -d .whl/min gguf==0.19.0 dflash==0.1.0
 
 data=$(ls -d benchmarks/data/smollm2_reference_* | tail -n 1)
@@ -33,24 +37,31 @@ rm -rf .gguf && mkdir -p .gguf
 head -c 44000000 "$gguf" > .gguf/partaa
 tail -c +44000001 "$gguf" > .gguf/partab
 cat .gguf/partaa .gguf/partab | cmp - "$gguf"
+want=$(sed -n 's/^GGUF_SHA256=//p' bench/quality_session.sh)  # what `two` will check
+echo "$want  $gguf" | sha256sum -c --quiet - || {
+  echo "$gguf is not the GGUF bench/quality_session.sh expects ($want)" >&2; exit 1; }
 
-[ "${1:-}" = peers ] && WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh
+if [ "${1:-}" = peers ]; then
+  rm -rf .whl/peers && WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh
+fi
 
 bytes() { du -cb "$@" | tail -n 1 | cut -f1; }
 tree=$(git ls-files -z | grep -zv '^benchmarks/\(artifacts\|raw\|data\)/' | du -cb --files0-from=- \
   | tail -n 1 | cut -f1)
+second=(.gguf/partab)
+[ "${1:-}" = peers ] && second+=(.whl/peers)  # the peers' wheels ride with the second part
 call1=$((tree + $(bytes .whl/min .qcarry .gguf/partaa)))
-call2=$((tree + $(bytes .gguf/partab)))
-for path in .whl/min .qcarry .gguf/partaa .gguf/partab .whl/peers; do
-  [ -e "$path" ] && printf '%-14s %10d bytes\n' "$path" "$(bytes "$path")"
+call2=$((tree + $(bytes "${second[@]}")))
+for path in .whl/min .qcarry .gguf/partaa "${second[@]}"; do
+  printf '%-14s %10d bytes\n' "$path" "$(bytes "$path")"
 done
 printf 'tracked tree   %10d bytes (without benchmarks/{artifacts,raw,data})\n' "$tree"
 status=0
-for call in "1 $call1 .whl/min .qcarry .gguf/partaa" "2 $call2 .gguf/partab"; do
+for call in "1 $call1 .whl/min .qcarry .gguf/partaa" "2 $call2 ${second[*]}"; do
   read -r n total paths <<< "$call"
-  fits=fits; [ "$total" -le "$LIMIT" ] || { fits="DOES NOT FIT"; status=1; }
+  fits=fits
+  if [ "$total" -gt "$LIMIT" ]; then fits="DOES NOT FIT"; status=1; fi
   printf 'call %s: %s + the tree = %d of %d bytes: %s\n' "$n" "$paths" "$total" "$LIMIT" "$fits"
 done
-[ -d .whl/peers ] && printf 'room left beside call 2 for .whl/peers or .icache: %d bytes\n' \
-  $((LIMIT - call2))
+printf 'room left beside call 2: %d bytes\n' $((LIMIT - call2))
 exit $status

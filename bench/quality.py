@@ -34,8 +34,8 @@ the settings it was made with), so the pipeline can span several device calls:
   report         the table, and benchmarks/quality_<hw>_<yyyymmdd>.md with a
                  tau-vs-training-tokens plot from the in-training evals (metrics.jsonl)
 
-Reading stages (finished runs, no GPU): `compare`, `curves`, `pairs` (below; the README
-shows each). Prints the table, then one JSON line.
+Reading stages (finished runs, no GPU): `compare`, `curves`, `pairs` (`--help` says what
+each prints; the README shows each). Prints the table, then one JSON line.
 
 The modules beside it: quality_config.py (these options), quality_pipeline.py (the stages),
 quality_supervise.py (training under --deadline), quality_report.py (one run's report),

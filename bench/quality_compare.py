@@ -303,13 +303,18 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
             cells = [name]
             for kind in kinds:
                 mine, theirs = loaded[name, kind + suffix], loaded[baseline, kind + suffix]
-                ratios = [a["tau"] / b["tau"] for a in mine for b in theirs if b["tau"]]
+                ratios = [  # only runs of the same prompts, as the pooled tables
+                    a["tau"] / b["tau"]
+                    for a in mine
+                    for b in theirs
+                    if b["tau"] and same_prompts(a, b)
+                ]
                 cells.append(
                     f"{min(ratios):.3f}-{max(ratios):.3f} ({len(ratios)})" if ratios else "—"
                 )
             lines.append("| " + " | ".join(cells) + " |")
         title = f"Run by run{' at T = 1' if suffix else ''}: each run over each {baseline} run"
-        return f"\n{title} (pairs of runs in brackets):\n\n" + "\n".join(lines) + "\n"
+        return f"\n{title} (how many pairs of runs):\n\n" + "\n".join(lines) + "\n"
 
     return (
         table("Held-out tau, T = 0:", "", False)

