@@ -5,9 +5,11 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+from helpers import bench_modules
 
 # Test tensors are tiny: intra-op threads only add overhead, and when anything else runs on
 # the 2 CI cores, spinning OpenMP threads slow small ops down by ~100x (measured: 13 ms vs
@@ -123,3 +125,10 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[object, dict[str, str]
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def quality() -> ModuleType:
+    """bench/quality.py as a module (it imports its neighbours, bench/quality_*.py, as the
+    script does; each is then in sys.modules under its own name)."""
+    return bench_modules("quality")["quality"]

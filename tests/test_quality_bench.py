@@ -21,12 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def quality() -> ModuleType:
-    """bench/quality.py as a module (it imports its neighbours as the script does)."""
-    return bench_modules("quality")["quality"]
-
-
-@pytest.fixture(scope="module")
 def stages(quality: ModuleType) -> ModuleType:
     """bench/quality_pipeline.py: the stages `quality.py` runs."""
     return sys.modules["quality_pipeline"]

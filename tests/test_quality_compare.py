@@ -10,13 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import bench_modules, quality_eval_report
-
-
-@pytest.fixture(scope="module")
-def quality() -> ModuleType:
-    """bench/quality.py as a module (it imports its neighbours as the script does)."""
-    return bench_modules("quality")["quality"]
+from helpers import quality_eval_report
 
 
 def test_compare_sets_runs_beside_each_other_and_the_peer(

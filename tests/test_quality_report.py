@@ -9,13 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import bench_modules, quality_eval_report, synthetic_quality_run
-
-
-@pytest.fixture(scope="module")
-def quality() -> ModuleType:
-    """bench/quality.py as a module (it imports its neighbours as the script does)."""
-    return bench_modules("quality")["quality"]
+from helpers import quality_eval_report, synthetic_quality_run
 
 
 @pytest.fixture(scope="module")
