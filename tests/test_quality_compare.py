@@ -285,18 +285,19 @@ def test_the_pairs_stage_pools_each_recipes_runs_over_a_baseline(
     assert "| run | chat: lowest-highest |" in by_run and "mined" not in by_run
     assert "| a | 1.500-1.667 (4) |" in by_run and "| peer |" not in by_run
     assert "Run by run at T = 1" not in md
-    # a run of other prompts pairs with no baseline run there either (as "[no interval]")
+    # a run of other prompts gets no ratio, pooled or run by run (as in `compare`)
     other = tmp_path / "other"
     write(other, "chat", [[3], [3]])
     report = json.loads((other / "chat.json").read_text())
     for prompt in report["per_prompt"]:
         prompt["id"] += "-elsewhere"
     (other / "chat.json").write_text(json.dumps(report))
-    argv = ["pairs", "--runs", f"o={other}", "--peer", f"{p0},{p1}", "--bench-dir", str(bench)]
+    fresh = tmp_path / "bench-other"
+    argv = ["pairs", "--runs", f"o={other}", "--peer", f"{p0},{p1}", "--bench-dir", str(fresh)]
     _, config, _ = quality.parse(argv)
     quality.run("pairs", config, [])
-    md = next(bench.glob("quality_*_pairs.md")).read_text()
-    assert "| o | 3.000 (1) | 1.500 [no interval] |" in md
+    md = next(fresh.glob("quality_*_pairs.md")).read_text()
+    assert "| o | 3.000 (1) | — (other prompts) |" in md
     assert "| o | — |" in md.split("Run by run")[1]
 
     trained_only = tmp_path / "trained_only"
