@@ -444,6 +444,24 @@ def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path:
     assert copied["output"] == f"{run_dir}/runs/peer-seed1"  # its own report comes back
 
 
+def _session_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a `quality_session.sh` call with stand-in scripts in tmp_path/bench:
+    a machine that ran `one` (SITE exists), calls logged to tmp_path/calls.txt."""
+    (tmp_path / "site").mkdir(exist_ok=True)
+    return {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+            "SITE": str(tmp_path / "site"), "CALLS": str(tmp_path / "calls.txt"),
+            "RUN_DIR": str(tmp_path / "run"), "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1",
+            **extra}  # fmt: skip
+
+
+def _session(tmp_path: Path, stage: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """bench/quality_session.sh STAGE run in tmp_path (where its stand-ins are) under env."""
+    return subprocess.run(
+        ["bash", str(ROOT / "bench" / "quality_session.sh"), stage], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
 def test_multi_runs_several_peers_side_by_side_each_with_its_own_folder_and_logs(
     tmp_path: Path,
 ) -> None:
@@ -468,16 +486,11 @@ def test_multi_runs_several_peers_side_by_side_each_with_its_own_folder_and_logs
             f.write("quality " + " ".join(sys.argv[1:]) + "\\n")
         print("eval chat: tau 2.000 on 24 prompts, run " + sys.argv[sys.argv.index("--run") + 1])
     '''))  # fmt: skip
-    (tmp_path / "site").mkdir()
     calls, run_dir, out = tmp_path / "calls.txt", tmp_path / "run", tmp_path / "out"
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "HOME": str(tmp_path),
-           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(run_dir),
-           "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1",
-           "PEERS": "pa --epochs 2 --anchors 512;pb --epochs 2 --anchors 512 --seed 1"}  # fmt: skip
-    done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    env = _session_env(
+        tmp_path, PEERS="pa --epochs 2 --anchors 512;pb --epochs 2 --anchors 512 --seed 1"
+    )
+    done = _session(tmp_path, "multi", env)
     assert done.returncode == 0, (done.stdout, done.stderr)
     lines = calls.read_text().splitlines()
     trained = sorted(line for line in lines if line.startswith("peer_recipe"))
@@ -494,19 +507,13 @@ def test_multi_runs_several_peers_side_by_side_each_with_its_own_folder_and_logs
         texts = {k: v.read().decode() for k, v in logs.items() if v is not None}
     assert "trained pa" in texts["pa.txt"] and "trained pb" in texts["pb.txt"]
     assert "run pa" in texts["pa_eval.txt"] and "run pb" in texts["pb_eval.txt"]
-    nothing = subprocess.run(
-        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
-        env={**env, "PEERS": ""}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    nothing = _session(tmp_path, "multi", {**env, "PEERS": ""})
     assert nothing.returncode == 2 and "ABLATIONS" in nothing.stderr and "PEERS" in nothing.stderr
     # a name twice, `peer` (the logs of PEER_BESIDE's), a run's name, no name (flags first)
     for clash, extra in (("pa --epochs 2;pa --seed 1", {}), ("peer --epochs 2", {}),
                          ("r1 --epochs 2", {"ABLATIONS": "r1 optim.epochs=2"}),
                          ("--epochs 2", {})):  # fmt: skip
-        refused = subprocess.run(
-            ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
-            env={**env, "PEERS": clash, **extra}, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        refused = _session(tmp_path, "multi", {**env, "PEERS": clash, **extra})
         assert refused.returncode == 2 and "is not a free run name" in refused.stderr, clash
 
 
@@ -536,20 +543,15 @@ def test_the_peer_wheels_install_once_for_every_peer_of_a_call(tmp_path: Path) -
     )
     (tmp_path / ".whl" / "peers").mkdir(parents=True)
     (tmp_path / ".whl" / "peers" / "a-1-py3-none-any.whl").write_text("")
-    (tmp_path / "site").mkdir()
     calls, site = tmp_path / "calls.txt", tmp_path / "peer-site"
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
-           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(tmp_path / "run"),
-           "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1", "PIP_INSTALL": f"bash {pip}",
-           "PEER_SITE": str(site), "PEER_BESIDE": "1", "PEER_ARGS": "--epochs 2",
-           "PEERS": "pa --epochs 2;pb --epochs 2 --seed 1"}  # fmt: skip
+    env = _session_env(
+        tmp_path, PIP_INSTALL=f"bash {pip}", PEER_SITE=str(site), PEER_BESIDE="1",
+        PEER_ARGS="--epochs 2", PEERS="pa --epochs 2;pb --epochs 2 --seed 1",
+    )  # fmt: skip
 
     def multi(**extra: str) -> list[str]:
         calls.write_text("")
-        done = subprocess.run(
-            ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
-            env={**env, **extra}, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        done = _session(tmp_path, "multi", {**env, **extra})
         assert done.returncode == 0, (done.stdout, done.stderr)
         return calls.read_text().splitlines()
 
@@ -564,21 +566,14 @@ def test_the_peer_wheels_install_once_for_every_peer_of_a_call(tmp_path: Path) -
     assert not any(line.startswith("pip") for line in multi())  # the same wheels: installed
     (tmp_path / ".whl" / "peers" / "b-1-py3-none-any.whl").write_text("")
     assert sum(line.startswith("pip") for line in multi()) == 1  # other wheels: once again
-    refused = subprocess.run(
-        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
-        env={**env, "PEERS": "peer-speculators --epochs 2"}, capture_output=True, text=True,
-        timeout=60,
-    )  # fmt: skip
+    refused = _session(tmp_path, "multi", {**env, "PEERS": "peer-speculators --epochs 2"})
     assert refused.returncode == 2 and "'peer-speculators' is not a free" in refused.stderr
     # wheels that do not install: said on stdout, no peer starts, the next call tries again
     pip.write_text('echo "pip $(basename "$3")" >> "$CALLS"; exit 1\n')
     (tmp_path / ".whl" / "peers" / "c-1-py3-none-any.whl").write_text("")
     for _ in range(2):
         calls.write_text("")
-        done = subprocess.run(
-            ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path,
-            env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        done = _session(tmp_path, "multi", env)
         assert done.returncode == 0 and "did not install" in done.stdout, done.stdout
         assert calls.read_text().splitlines() == ["pip a-1-py3-none-any.whl"]
 
@@ -601,19 +596,15 @@ def test_multi_spreads_peers_and_runs_over_the_gpus_in_start_order(tmp_path: Pat
     """
     (bench / "peer_recipe.py").write_text(textwrap.dedent(log))
     (bench / "quality.py").write_text(textwrap.dedent(log))
-    (tmp_path / "site").mkdir()
-    calls = tmp_path / "calls.txt"
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
-           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(tmp_path / "run"),
-           "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1", "MULTI_GPUS": "0 1",
-           "PEER_BESIDE": "1", "PEERS": "pa --epochs 2;pb --epochs 2",
-           "ABLATIONS": "r1 optim.epochs=2;r2 optim.epochs=2"}  # fmt: skip
-    done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "quality_session.sh"), "multi"], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=120,
+    env = _session_env(
+        tmp_path, MULTI_GPUS="0 1", PEER_BESIDE="1", PEERS="pa --epochs 2;pb --epochs 2",
+        ABLATIONS="r1 optim.epochs=2;r2 optim.epochs=2",
     )  # fmt: skip
+    done = _session(tmp_path, "multi", env)
     assert done.returncode == 0, (done.stdout, done.stderr)
-    placed = sorted(set(calls.read_text().splitlines()))  # a peer's eval runs on its GPU too
+    placed = sorted(
+        set((tmp_path / "calls.txt").read_text().splitlines())
+    )  # a peer's eval runs on its GPU too
     assert placed == ["pa 1", "pb 0", "peer-speculators 0", "r1 1", "r2 0"]
 
 
