@@ -7,7 +7,8 @@ loss (`loss`) and one drafter pass (`step`); the optimizer and its finite guard 
 the LR schedule (`schedule`); where the target's features come from (`features`: the local
 target, or a target rank through the split placement's `server`); the parallel layer
 (`parallel`: torchrun, compile, DDP/FSDP2, placement, point-to-point channels); the memory
-`preflight`; resumable `checkpoint`s; `metrics`; the `trainer` loop that ties them together;
+`preflight`; resumable `checkpoint`s; `metrics`; the in-training eval (`held_out`); the
+`trainer` loop that ties them together;
 and `bench`, the timing behind `flashdraft bench`. May import `model`, `data`, `eval`
 (in-training evaluation), `export` and the base layer; never `commands`.
 """

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from flashdraft import storage
-from flashdraft.eval.evaluate import evaluate_drafter, load_prompts
 from flashdraft.export import save_dflash, verify_export
 from flashdraft.log import get_logger, trace
 from flashdraft.model.attention import default_backend
@@ -44,6 +43,7 @@ from flashdraft.train.features import (
     draft_batch,
     open_feature_source,
 )
+from flashdraft.train.held_out import HeldOutEval
 from flashdraft.train.loss import BlockStats, dpace_alpha_of, loss_slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import FiniteGuard, build_optimizer, members
@@ -197,10 +197,8 @@ class Trainer:
             else None
         )
         self.stopwatch = Stopwatch(self.device)
-        # The same decision on every rank (logging is collective); only the logger evaluates.
-        self.eval_on = config.eval.every > 0 and self.target is not None
-        self.eval_prompts = self._eval_prompts()
-        self.best_tau = self._best_so_far()
+        self.held_out = HeldOutEval(config, self.target, self.placement.is_logger, resuming)
+        self.eval_on = self.held_out.on  # the same on every rank; only the logger evaluates
         if self.placement.is_logger:
             log.info(self._banner())
 
@@ -243,32 +241,7 @@ class Trainer:
             lines.append(f"  resuming from {plan.resume_from} at step {self.step}")
         return "\n".join(lines)
 
-    # ---- in-training eval: the real decode loop on held-out prompts ----
-
-    def _eval_prompts(self) -> list[Any]:
-        section = self.config.eval
-        if section.every <= 0:
-            return []
-        if section.prompts is None:
-            raise ValueError("eval.every > 0 needs eval.prompts (a JSONL file of held-out prompts)")
-        if not self.placement.is_logger:
-            return []
-        if self.target is None:
-            log.warning(
-                "flashdraft train: in-training eval needs the target on the logging rank; with "
-                "the split placement it is skipped (run `flashdraft eval` on checkpoints)"
-            )
-            return []
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.target.path)
-        return load_prompts(section.prompts, self.tokenizer, limit=section.num_prompts)
-
-    def _best_so_far(self) -> float:
-        url = storage.join(self.run_dir, "best", "best.json")
-        if self.plan.resume_from is None or not storage.exists(url):
-            return float("-inf")
-        return float(storage.read_json(url)["eval_tau"])
+    # ---- in-training eval (`held_out`): the whole drafter it evaluates ----
 
     def _full_drafter(self) -> DFlashDrafter:
         """The whole drafter as one module, for eval copies and exports. Sharded (FSDP2) it is
@@ -279,40 +252,6 @@ class Trainer:
         full = DFlashDrafter(self.drafter_config)
         full.load_state_dict(get_model_state_dict(self.drafter, options=options))
         return full.to(self.device)
-
-    def _evaluate(self, drafter: DFlashDrafter) -> dict[str, Any]:
-        """eval_* fields for this step's record; keeps the best-by-tau serving export.
-        `drafter` is the whole drafter (`_full_drafter`)."""
-        assert self.target is not None
-        # An eager bf16/fp32 copy: the decode context grows every step, which the compiled
-        # (static-shape) training layers must not see.
-        eager = DFlashDrafter(self.drafter_config)
-        eager.load_state_dict(drafter.state_dict())
-        eager.to(self.device, self.head.weight.dtype).eval()
-        report = evaluate_drafter(
-            self.target.model,
-            self.tokenizer,
-            eager,
-            self.eval_prompts,
-            max_new_tokens=self.config.eval.max_new_tokens,
-            reference=False,
-            taps=self.target.taps,
-        )
-        tau = float(report["tau"] or 1.0)
-        fields = {
-            "eval_tau": round(tau, 4),
-            "eval_per_position_acceptance": [
-                round(float(x), 4) for x in report["per_position_acceptance"]
-            ],
-        }
-        if tau > self.best_tau:
-            self.best_tau = tau
-            best = storage.join(self.run_dir, "best")
-            save_dflash(drafter, best)
-            storage.write_json_atomic(
-                storage.join(best, "best.json"), {"step": self.step, "eval_tau": tau}
-            )
-        return fields
 
     # ---- the step ----
 
@@ -532,7 +471,11 @@ class Trainer:
                 extra = {}
                 if eval_now:
                     whole = self._full_drafter()  # every drafter rank: gathering is collective
-                    extra = self._evaluate(whole) if self.placement.is_logger else {}
+                    if self.placement.is_logger:
+                        extra = self.held_out.evaluate(
+                            whole, self.drafter_config, self.step, self.device,
+                            self.head.weight.dtype,
+                        )  # fmt: skip
                 last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
             if checkpoint_now or finished:
