@@ -173,11 +173,7 @@ def pooled(reports: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("pooled: every report needs per-prompt results")
     if any(p.get("id") is None for r in reports for p in r["per_prompt"]):
         raise ValueError("pooled: a prompt has no id, so its runs cannot be matched; re-run eval")
-    first = reports[0]
-    if any(
-        len(r["per_prompt"]) != len(first["per_prompt"]) or not same_prompts(first, r)
-        for r in reports[1:]
-    ):
+    if not all(same_prompts(reports[0], r) for r in reports[1:]):  # the same ids, in order
         raise ValueError("pooled: the runs ran other prompts; pool only evals of the same prompts")
     prompts = []
     for runs in zip(*(r["per_prompt"] for r in reports), strict=True):

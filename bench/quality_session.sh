@@ -585,18 +585,18 @@ multi)
   fi
   # PEER_BESIDE=1: the peer recipe beside them (peer_and_eval), started first (it compiles
   # other graphs than the runs, so it need not wait for their first step)
+  # (next_gpu before each job: the job keeps the GPU exported when it started)
   if [ "${PEER_BESIDE:-0}" = 1 ]; then
-    ( next_gpu; PEER_WHEELS=installed peer_and_eval "$start" "${MULTI_BUDGET:-540}" \
-      "${MULTI_MIN:-200}" "$OUT/multi" ) &
-    slot=$((slot + 1))
+    next_gpu
+    PEER_WHEELS=installed peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" \
+      "$OUT/multi" &
   fi
   for spec in "${peer_specs[@]}"; do
     read -ra words <<< "$spec"
     [ "${#words[@]}" -gt 0 ] || continue
-    ( next_gpu
-      PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} PEER_WHEELS=installed \
-        peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" "$OUT/multi" ) &
-    slot=$((slot + 1))
+    next_gpu
+    PEER_NAME=${words[0]} PEER_ARGS="${words[*]:1}" PEER_LOG=${words[0]} PEER_WHEELS=installed \
+      peer_and_eval "$start" "${MULTI_BUDGET:-540}" "${MULTI_MIN:-200}" "$OUT/multi" &
   done
   for spec in "${specs[@]}"; do
     read -ra words <<< "$spec"

@@ -27,7 +27,7 @@ class HeldOutEval:
 
     def __init__(self, config: RunConfig, target: Any, is_logger: bool, resuming: bool) -> None:
         section = config.eval
-        self.config, self.target, self.run_dir = config, target, config.output
+        self.config, self.target = config, target
         self.on = section.every > 0 and target is not None
         self.tokenizer: Any = None
         self.prompts = self._prompts(is_logger)
@@ -53,7 +53,7 @@ class HeldOutEval:
         return load_prompts(section.prompts, self.tokenizer, limit=section.num_prompts)
 
     def _best_so_far(self, resuming: bool) -> float:
-        url = storage.join(self.run_dir, "best", "best.json")
+        url = storage.join(self.config.output, "best", "best.json")
         if not resuming or not storage.exists(url):
             return float("-inf")
         return float(storage.read_json(url)["eval_tau"])
@@ -93,7 +93,7 @@ class HeldOutEval:
         }
         if tau > self.best_tau:
             self.best_tau = tau
-            best = storage.join(self.run_dir, "best")
+            best = storage.join(self.config.output, "best")
             save_dflash(drafter, best)
             storage.write_json_atomic(
                 storage.join(best, "best.json"), {"step": step, "eval_tau": tau}

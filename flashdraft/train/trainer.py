@@ -100,7 +100,7 @@ class StepRows:
         self.trainer, self.rows = trainer, rows
         config = trainer.config
         self.accum = config.optim.grad_accum
-        self.every = (config.checkpoint.every, config.eval.every if trainer.eval_on else 0)
+        self.every = (config.checkpoint.every, config.eval.every if trainer.held_out.on else 0)
         self.per_group = max(1, config.target.forward_rows // self.accum)
         self.ahead = trainer.source if isinstance(trainer.source, AheadTarget) else None
         self.upcoming: deque[Row] = deque()
@@ -197,8 +197,8 @@ class Trainer:
             else None
         )
         self.stopwatch = Stopwatch(self.device)
+        # `held_out.on`: the same on every rank (logging is collective); the logger evaluates
         self.held_out = HeldOutEval(config, self.target, self.placement.is_logger, resuming)
-        self.eval_on = self.held_out.on  # the same on every rank; only the logger evaluates
         if self.placement.is_logger:
             log.info(self._banner())
 
@@ -464,7 +464,7 @@ class Trainer:
                 config.checkpoint.every > 0 and self.step % config.checkpoint.every == 0
             )
             finished = self.step == self.total_steps
-            eval_now = self.eval_on and (self.step % config.eval.every == 0 or finished)
+            eval_now = self.held_out.on and (self.step % config.eval.every == 0 or finished)
             # Log at every checkpoint too, so a resumed run logs exactly the same intervals.
             if self.step % config.log.every == 0 or checkpoint_now or finished or eval_now:
                 self._check_finite()  # before anything is evaluated, logged or written

@@ -8,7 +8,7 @@ held-out prompts per kind), paired by prompt, 90% bootstrap intervals over whole
 import json
 from pathlib import Path
 
-from quality_report import tau_ratio_interval
+from quality_compare import tau_ratio_interval
 
 HERE = Path(__file__).parent
 RAW = HERE.parent

@@ -7,7 +7,7 @@
 import json
 from pathlib import Path
 
-from quality_report import before_loops, tau_ratio_interval
+from quality_compare import before_loops, tau_ratio_interval
 
 RAW = Path(__file__).parents[1] / "quality_20261202_s11"
 

@@ -11,7 +11,7 @@ over whole sources, over all steps and over the steps before the target's own lo
 import json
 from pathlib import Path
 
-from quality_report import before_loops, tau_ratio_interval
+from quality_compare import before_loops, tau_ratio_interval
 
 HERE = Path(__file__).parent
 RAW = HERE.parent

@@ -7,7 +7,7 @@ whole sources (the GPU reports of the same prompts carry each prompt's source).
 import json
 from pathlib import Path
 
-from quality_report import tau_ratio_interval
+from quality_compare import tau_ratio_interval
 
 HERE = Path(__file__).parent
 for kind in ("chat", "humaneval", "code"):

@@ -9,7 +9,7 @@ reports of the same prompts), and each report's lossless count and tau before th
 import json
 from pathlib import Path
 
-from quality_report import tau_ratio_interval
+from quality_compare import tau_ratio_interval
 
 HERE = Path(__file__).parent
 S12 = HERE.parents[1] / "quality_20261202_s12"

@@ -1,7 +1,7 @@
 import json, sys
 from pathlib import Path
 sys.path[:0] = ["/work/main", "/work/main/bench"]
-from quality_report import before_loops, tau_ratio_interval
+from quality_compare import before_loops, tau_ratio_interval
 RAW = Path("/work/main/benchmarks/raw")
 A = RAW/"quality_20261204_s23/runs/ref6/eval"; B = RAW/"quality_20261202_s12/ref6/eval"
 def ratio(m, t, s=None):

@@ -3,7 +3,7 @@ paired per prompt on the same 24 held-out prompts per kind (H200, T = 0; chat_t1
 import json, sys
 from pathlib import Path
 sys.path[:0] = ["/work/main", "/work/main/bench"]
-from quality_report import before_loops, tau_ratio_interval
+from quality_compare import before_loops, tau_ratio_interval
 RAW = Path("/work/main/benchmarks/raw")
 NEW = RAW / "quality_20261204_s24/runs/i704a2k6/eval"
 OLD = {"p704ft2 (s22)": RAW / "quality_20261204_s22/runs/p704ft2/eval",

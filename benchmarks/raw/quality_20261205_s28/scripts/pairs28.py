@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, "bench")
-from quality_report import paired_ratio_text  # noqa: E402
+from quality_compare import paired_ratio_text  # noqa: E402
 
 RAW = Path("benchmarks/raw")
 HERE = RAW / "quality_20261205_s28/runs"

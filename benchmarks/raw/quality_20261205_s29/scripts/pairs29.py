@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, "bench")
-from quality_report import paired_ratio_text
+from quality_compare import paired_ratio_text
 
 RAW = Path("benchmarks/raw")
 EVALS = {
