@@ -65,7 +65,8 @@ from flashdraft import assets, storage
 from flashdraft import config as cfg
 from flashdraft.benchutil import environment, free_memory, print_json, print_table
 from flashdraft.data.dataset import MANIFEST
-from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.data.prepare import prepare
+from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
 from flashdraft.eval.report import write_report
 from flashdraft.export import load_dflash, load_exported, save_export

@@ -46,7 +46,8 @@ def run_once(
     source: Path, output: Path, workers: int, args: argparse.Namespace
 ) -> dict[str, float]:
     from flashdraft.assets import qwen3_tokenizer_dir
-    from flashdraft.data.prepare import PrepareConfig, prepare
+    from flashdraft.data.prepare import prepare
+    from flashdraft.data.prepare_config import PrepareConfig
     from flashdraft.data.template import TemplateOptions
 
     config = PrepareConfig(

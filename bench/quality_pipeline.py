@@ -27,7 +27,8 @@ from flashdraft import config as cfg
 from flashdraft.benchutil import free_memory
 from flashdraft.data.generate import GenerateConfig, generate, open_backend
 from flashdraft.data.inference import Sampling
-from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.data.prepare import prepare
+from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.data.sources import TRAIN_FILE, SourcesConfig, build_prompts
 from flashdraft.data.template import TemplateOptions
 from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval

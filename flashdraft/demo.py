@@ -43,7 +43,8 @@ from flashdraft.config import option
 from flashdraft.data.audit import AuditConfig, audit
 from flashdraft.data.generate import GenerateConfig, generate
 from flashdraft.data.inference import Sampling
-from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.data.prepare import prepare
+from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.data.sources import SourcesConfig, is_held_out, split_settings
 from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
 from flashdraft.eval.report import format_summary, write_report

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from flashdraft import config as cfg
-from flashdraft.data.prepare import PrepareConfig, prepare
+from flashdraft.data.prepare import prepare
+from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.log import get_logger
 
 log = get_logger(__name__)

@@ -1,5 +1,8 @@
 """`flashdraft prepare`: conversations and completions -> a trainable Arrow dataset.
 
+Options. `PrepareConfig` and the settings recorded from it (`data_settings`,
+`manifest_options`) are in `flashdraft.data.prepare_config`.
+
 Pipeline. The inputs are read in order and cut into shards of `--shard-size` records
 (`flashdraft.data.shards`). A `ShardProcessor` per worker parses, renders, tokenizes and
 masks a shard (`flashdraft.data.template_fast`) and returns it as Arrow bytes; the main
@@ -36,15 +39,13 @@ import os
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from flashdraft import __version__, storage
-from flashdraft import config as cfg
-from flashdraft.config import option
-from flashdraft.data.audit import Thresholds, audit_dataset, format_report
+from flashdraft.data.audit import audit_dataset, format_report
 from flashdraft.data.dataset import (
     FORMAT,
     FORMAT_VERSION,
@@ -64,12 +65,12 @@ from flashdraft.data.formats import (
     record_id,
     record_tools,
 )
-from flashdraft.data.loops import DATA_LOOP_KEEP, DATA_LOOP_MIN, untrain_loops_batch
-from flashdraft.data.preview import PreviewOptions, format_preview, preview_indices
+from flashdraft.data.loops import untrain_loops_batch
+from flashdraft.data.prepare_config import PrepareConfig, data_settings, manifest_options
+from flashdraft.data.preview import format_preview, preview_indices
 from flashdraft.data.shards import Inputs, Lines, ShardResult, inputs_difference, process_shards
 from flashdraft.data.template import (
     RenderedSample,
-    TemplateOptions,
     encode,
     load_tokenizer,
     tokenizer_fingerprint,
@@ -78,121 +79,6 @@ from flashdraft.data.template_fast import FastChatTemplate
 from flashdraft.log import get_logger
 
 log = get_logger(__name__)
-
-# Tags of the fields recorded in the outputs: "data" decides the data (a resumed run must
-# match it, `data_settings`); "manifest" is recorded in the manifest's `options`.
-_DECIDES = ("data", "manifest")
-_RECORDED = ("manifest",)
-
-
-@dataclass(kw_only=True, slots=True)
-class PrepareConfig:
-    """`flashdraft prepare`: every option, declared once (flags, defaults, checks, records)."""
-
-    inputs: list[str] = option(
-        positional=True,
-        metavar="INPUT",
-        help="JSONL files, globs or directories (local or fsspec URLs; .gz/.zst)",
-    )
-    tokenizer: str = option(help="tokenizer (and chat template) of the target: a path or hub name")
-    output: str = option(metavar="DIR", help="dataset directory (re-running into it resumes)")
-    template: TemplateOptions = field(default_factory=TemplateOptions)  # --thinking, --turns
-    max_length: int | None = option(
-        None, ge=2, help="longest sample in tokens (default: no limit)", tags=_DECIDES
-    )
-    overlong: Literal["drop", "truncate"] = option(
-        "drop",
-        help="samples over --max-length: drop (counted as rejects) or truncate (counted as "
-        "truncated)",
-        tags=_DECIDES,
-    )
-    loops: Literal["keep", "untrain"] = option(
-        "keep",
-        help="repetition loops in the trained text (a stretch of at least --loop-min tokens "
-        "that repeats with a period of at most 32, e.g. a small target's answer stuck on "
-        "'no no no ...'): keep them trained, or untrain all but their first --loop-keep "
-        "tokens (they stay in the context; counted as loop_untrained)",
-    )
-    loop_keep: int = option(
-        DATA_LOOP_KEEP,
-        ge=0,
-        metavar="N",
-        help="--loops untrain: tokens of each loop still trained",
-    )
-    loop_min: int = option(
-        DATA_LOOP_MIN,
-        ge=2,
-        metavar="N",
-        help="--loops untrain: the shortest repeating stretch that counts as a loop",
-    )
-    preview: int = option(
-        1, ge=0, metavar="N", help="show N samples with trained tokens highlighted at the end"
-    )
-    preview_options: PreviewOptions = field(default_factory=PreviewOptions)  # --seed, --color
-    shard_size: int = option(
-        2048,
-        ge=1,
-        help="records per output shard, the unit of parallel work and of resume",
-        tags=_DECIDES,
-    )
-    workers: int = option(0, ge=0, help="worker processes (0: every core this process may use)")
-    max_reject_rate: float = option(
-        0.01,
-        ge=0,
-        le=1,
-        help="fail when more than this share of records is rejected",
-        tags=_RECORDED,
-    )
-    allow_degenerate: bool = option(
-        False,
-        help="keep a dataset that fails the degenerate-data checks (they become warnings)",
-        tags=_RECORDED,
-    )
-    overwrite: bool = option(
-        False, help="replace a dataset prepared in --output with other settings or inputs"
-    )
-    progress: bool = option(True, help="progress bar on standard error (--no-progress: none)")
-    thresholds: Thresholds = field(default_factory=Thresholds)  # recorded whole
-
-    def __post_init__(self) -> None:
-        cfg.validate(self)
-        if not self.inputs:
-            raise cfg.ConfigError(
-                "inputs", self.inputs, "give at least one file, glob or directory"
-            )
-
-    def num_workers(self) -> int:
-        if self.workers:
-            return self.workers
-        affinity = getattr(os, "sched_getaffinity", None)
-        return len(affinity(0)) if affinity else os.cpu_count() or 1
-
-
-def data_settings(config: PrepareConfig, tokenizer_sha256: str) -> dict[str, Any]:
-    """Everything that decides the data; a resumed run must match it exactly."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "tokenizer_sha256": tokenizer_sha256,
-        **cfg.settings(config, "data"),
-        **loop_settings(config),
-    }
-
-
-def loop_settings(config: PrepareConfig) -> dict[str, Any]:
-    """--loops and its sizes, recorded only when loops are untrained: datasets prepared
-    before the option existed keep their settings (and resume) unchanged."""
-    if config.loops == "keep":
-        return {}
-    return {"loops": {"mode": config.loops, "keep": config.loop_keep, "min": config.loop_min}}
-
-
-def manifest_options(config: PrepareConfig) -> dict[str, Any]:
-    """The options recorded in the manifest (the thresholds as one table)."""
-    return {
-        **cfg.settings(config, "manifest"),
-        **loop_settings(config),
-        "thresholds": cfg.to_dict(config.thresholds),
-    }
 
 
 # -- one shard (in a worker) -----------------------------------------------------------------

@@ -18,8 +18,10 @@ Llama, Mistral, Qwen2 and Qwen3 style decoder layers; anything else (hybrids, Ge
 extra norms, logit softcaps, FSDP-sharded layers) is refused so callers keep the HF path.
 `StaticLM.verify` checks the logits and taps against an HF forward once, at start-up.
 
-The decode loops built on it capture its steps with `flashdraft.model.graphs`; the
-attention="varlen" steps' kernel plan lives in `flashdraft.model.varlen`.
+The dense parts of each decoder layer (norms, projections, RoPE, MLP) and the cache write are
+functions in `flashdraft.model.static_layers`. The decode loops built on it capture its steps
+with `flashdraft.model.graphs`; the attention="varlen" steps' kernel plan lives in
+`flashdraft.model.varlen`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flashdraft.model import varlen
+from flashdraft.model import static_layers, varlen
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -95,11 +97,6 @@ def _window(layer: nn.Module, text: Any) -> int | None:
     return None if window is None else int(window)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _visible(slot: Tensor, position: Tensor, window: int | None) -> Tensor:
     """The cache slots a query at `position` attends to: every earlier slot and its own,
     within the last `window` for sliding layers (one rule for the SDPA and flex masks)."""
@@ -107,114 +104,7 @@ def _visible(slot: Tensor, position: Tensor, window: int | None) -> Tensor:
     return seen if window is None else seen & (position - slot < window)
 
 
-# The dense parts of a decoder layer, before and after attention. `fused` (optional): the
-# layer's q/k/v weights as one matrix (and bias) and its MLP's gate/up as one
-# (`StaticLM.fuse_projections`): two GEMMs where there were five, what a small target's
-# decode step (a few hundred tokens per GEMM: latency-bound) pays for.
-Fused = tuple[Tensor, Tensor | None, Tensor, Tensor | None]  # qkv weight, bias; gate_up, bias
-
-
-def _project(
-    layer: Any,
-    fused: Fused | None,
-    x: Tensor,
-    rope: tuple[Tensor, Tensor],
-    shape: tuple[int, int, int],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """A decoder layer's input norm, q/k/v projections, per-head norms (Qwen3) and RoPE:
-    x [R, n, H] -> q [R, Hq, n, D], k / v [R, Hkv, n, D]."""
-    hq, hkv, d = shape
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    r, n, _ = h.shape
-    if fused is None:
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    else:
-        q, k, v = F.linear(h, fused[0], fused[1]).split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = q.view(r, n, hq, d), k.view(r, n, hkv, d), v.view(r, n, hkv, d)
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = rope[0][:, None], rope[1][:, None]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, h, n, D]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
-
-
-def _finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor) -> Tensor:
-    """The rest of a decoder layer after attention: output projection, residual, MLP."""
-    x = x + layer.self_attn.o_proj(attended)
-    h = layer.post_attention_layernorm(x)
-    if fused is None:
-        return x + layer.mlp(h)
-    gate, up = F.linear(h, fused[2], fused[3]).chunk(2, dim=-1)
-    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-
-
-# The same parts for prefill calls, as functions of their own: dynamo keeps its compiled
-# entries (and its automatic-dynamic record of which sizes changed) per code object, so the
-# prefill graphs (their token count changes with every batch: dynamic after the first) and
-# the decode steps' (static shapes, captured) stay apart. `StaticLM.__call__` gives them the
-# batch's tokens as one row, [1, R*n, H] ("flat"): a batch of one row or of one-token prompts
-# would otherwise get graphs of its own (dynamo specializes sizes of 1).
-def _prefill_project(
-    layer: Any,
-    fused: Fused | None,
-    x: Tensor,
-    rope: tuple[Tensor, Tensor],
-    shape: tuple[int, int, int],
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _project(layer, fused, x, rope, shape)
-
-
-def _prefill_finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor) -> Tensor:
-    return _finish(layer, fused, x, attended)
-
-
 ATTENTIONS = ("sdpa", "flex", "varlen")
-
-
-def _write_cache(
-    keys: Tensor, values: Tensor, k: Tensor, v: Tensor, at: tuple[Tensor, Tensor, Tensor]
-) -> None:
-    """k / v [R, Hkv, n, D] into every row's slots of keys / values [R, Hkv, L, D], in place;
-    at = (row ids [R, 1, 1], head ids [1, Hkv, 1], positions [R, 1, n]). As index_put_, not
-    scatter_: under torch.compile inductor writes an input's index_put_ in place, fused with
-    what computes k and v, where a scatter_ into an input copies the whole cache in and out
-    (seen in the CPU backend's generated code, 2026-12-03)."""
-    keys.index_put_(at, k.to(keys.dtype))
-    values.index_put_(at, v.to(values.dtype))
-
-
-def _project_into_cache(
-    layer: Any,
-    fused: Fused | None,
-    x: Tensor,
-    rope: tuple[Tensor, Tensor],
-    shape: tuple[int, int, int],
-    keys: Tensor,
-    values: Tensor,
-    at: tuple[Tensor, Tensor, Tensor],
-) -> Tensor:
-    """`_project` for a decode step of every row, writing k / v into the layer's cache itself
-    (compiled, the write is part of the RoPE kernel): -> q [R, Hq, 1, D]."""
-    q, k, v = _project(layer, fused, x, rope, shape)
-    _write_cache(keys, values, k, v, at)
-    return q
-
-
-def _fusable(layer: Any) -> bool:
-    """Whether a layer's projections can be fused: Linear q/k/v and gate/up, each set with
-    biases on all or none, and an MLP computed as down(act(gate(x)) * up(x))."""
-    attn, mlp = layer.self_attn, layer.mlp
-    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-    gate_up = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
-    linear = [m for m in parts + gate_up if isinstance(m, nn.Linear)]
-    if len(linear) < len(parts + gate_up):
-        return False
-    if getattr(mlp, "down_proj", None) is None or not callable(getattr(mlp, "act_fn", None)):
-        return False
-    return all(len({m.bias is None for m in group}) == 1 for group in (linear[:3], linear[3:]))
 
 
 class StaticLM:
@@ -283,12 +173,12 @@ class StaticLM:
         self._flex = _compiled_flex if self.device.type == "cuda" else flex_attention
         # decode steps (every row, one token): the project part writes the K/V itself
         self._decode_parts: tuple[Callable[..., Any], Callable[..., Any]] = (
-            _project_into_cache,
-            _finish,
+            static_layers.project_into_cache,
+            static_layers.finish,
         )
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
-        self._fused: list[Fused | None] = [None] * len(self.layers)
-        # index_put_ coordinates of a call of every row (`_write_cache`)
+        self._fused: list[static_layers.Fused | None] = [None] * len(self.layers)
+        # index_put_ coordinates of a call of every row (`static_layers.write_cache`)
         self._row_ids = torch.arange(rows, device=self.device)[:, None, None]
         self._head_ids = torch.arange(self.num_kv_heads, device=self.device)[None, :, None]
         half = self.dtype in (torch.float16, torch.bfloat16)
@@ -378,8 +268,8 @@ class StaticLM:
     ) -> Tensor:
         """q [R, Hq, n, D], k / v [R, Hkv, n, D] roped -> attention output [R, n, Hq*D]
         (flat: [1, R*n, Hq*D]); writes this call's K/V into layer i's cache first (k / v
-        None: the decode part has written them, `_project_into_cache`). mask None: the
-        call's own tokens from position 0, causal (`fresh`)."""
+        None: the decode part has written them, `static_layers.project_into_cache`). mask
+        None: the call's own tokens from position 0, causal (`fresh`)."""
         r, _, n, d = q.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         out_shape = (1, r * n, hq * d) if flat else (r, n, hq * d)
@@ -387,7 +277,9 @@ class StaticLM:
         if k is None or v is None:  # the decode part wrote them: read them back if needed
             k, v = keys[:, :, :n], values[:, :, :n]  # (a one-token fresh prompt: slot 0)
         elif rows is None:  # every row, in order: in place, so addresses stay fixed (graphs)
-            _write_cache(keys, values, k, v, (self._row_ids, self._head_ids, positions[:, None]))
+            static_layers.write_cache(
+                keys, values, k, v, (self._row_ids, self._head_ids, positions[:, None])
+            )
         else:  # a subset of rows (prefill of new prompts into their slots)
             keys[rows[:, None], :, positions] = k.transpose(1, 2).to(keys.dtype)
             values[rows[:, None], :, positions] = v.transpose(1, 2).to(values.dtype)
@@ -436,23 +328,24 @@ class StaticLM:
         kernels (norms, RoPE, SiLU;
         `benchmarks/raw/small_targets_h200_20261201b/call5_prefill_profile.txt`)."""
         self._decode_parts = (
-            torch.compile(_project_into_cache, backend=backend, dynamic=False),
-            torch.compile(_finish, backend=backend, dynamic=False),
+            torch.compile(static_layers.project_into_cache, backend=backend, dynamic=False),
+            torch.compile(static_layers.finish, backend=backend, dynamic=False),
         )
         if prefill:
             self._prefill_parts = (
-                torch.compile(_prefill_project, backend=backend),
-                torch.compile(_prefill_finish, backend=backend),
+                torch.compile(static_layers.prefill_project, backend=backend),
+                torch.compile(static_layers.prefill_finish, backend=backend),
             )
 
     def fuse_projections(self, max_bytes: int = FUSE_MAX_BYTES) -> bool:
         """Every layer's q/k/v weights as one matrix and its MLP's gate/up as one: copies (the
         model's own parameters stay as they are), so it costs their memory once more, and it
         is skipped (False) above `max_bytes` of copies or when a layer's layout differs
-        (`_fusable`). The results equal the unfused ones up to the GEMMs' rounding. The copies
-        are taken now: for a frozen target (generation); a model whose weights change later
-        (a drafter's in-training eval of a target being tuned) must not be fused."""
-        if not all(_fusable(layer) for layer in self.layers):
+        (`static_layers.fusable`). The results equal the unfused ones up to the GEMMs'
+        rounding. The copies are taken now: for a frozen target (generation); a model whose
+        weights change later (a drafter's in-training eval of a target being tuned) must not
+        be fused."""
+        if not all(static_layers.fusable(layer) for layer in self.layers):
             return False
         size = 0
         for layer in self.layers:
@@ -497,7 +390,8 @@ class StaticLM:
         """
         kv_len = kv_len or self.max_len
         r, n = ids.shape
-        # The compiled prefill parts take the call's tokens as one row (`_prefill_project`).
+        # The compiled prefill parts take the call's tokens as one row
+        # (`static_layers.prefill_project`).
         flat = self._prefill_parts is not None and not (rows is None and n == 1)
         x = self.embed(ids.reshape(1, r * n) if flat else ids)
         # cos, sin [R, n, D] (flat: [1, R*n, D]) in x's dtype
@@ -521,7 +415,9 @@ class StaticLM:
         taps: dict[int, Tensor] = {}
         decode = rows is None and n == 1
         parts: tuple[Callable[..., Any], Callable[..., Any]] = (
-            self._decode_parts if decode else self._prefill_parts or (_project, _finish)
+            self._decode_parts
+            if decode
+            else self._prefill_parts or (static_layers.project, static_layers.finish)
         )
         project, finish = parts
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)

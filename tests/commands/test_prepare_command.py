@@ -12,7 +12,7 @@ from flashdraft import cli
 from flashdraft import config as cfg
 from flashdraft.commands import prepare as prepare_command
 from flashdraft.data.audit import Thresholds
-from flashdraft.data.prepare import PrepareConfig
+from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.data.preview import PreviewOptions
 from flashdraft.data.template import TemplateOptions
 
