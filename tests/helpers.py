@@ -242,7 +242,7 @@ def tiny_target(kind: str) -> torch.nn.Module:
 
 
 def emulated_flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, used_k, scale):
-    """What `flashdraft.model.static._flash_varlen` computes (FA2's varlen forward with
+    """What `flashdraft.model.varlen._flash_varlen` computes (FA2's varlen forward with
     `seqused_k`), one sequence at a time on any device: queries cu_q[s]..cu_q[s+1] attend,
     unmasked, to keys cu_k[s]..cu_k[s] + used_k[s]; the rest of a span is never read (here
     it is poisoned with NaN first, so a read would show)."""
