@@ -248,7 +248,7 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     """Every `python bench/quality.py` line of the README is a valid command; the first is the
     shipped drafter (the preset, nothing set); the two lines of the drafter shipped before it
     train `ref6` at 512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the
-    slow smoke test runs a pruned start for real); the `pairs` line runs on the committed
+    slow smoke test runs a pruned start for real); the `pairs` lines run on the committed
     records."""
     readme = (ROOT / "README.md").read_text()
     lines = [
@@ -271,11 +271,22 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert stage == "all" and (pruned.prune_from, pruned.prune_width) == ("ref6", 704)
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
-    # the pairs line reads committed records: it runs here and gives the s29 record's ratios
-    (argv,) = [argv for argv in lines if argv[0] == "pairs"]
-    stage, config, _ = quality.parse(argv)
+    # the pairs lines read committed records: each runs here and gives its record's ratios,
+    # s29's (the peer given flashdraft's anchors) and s31's (the peer at its own, 512)
+    s29, s31 = [argv for argv in lines if argv[0] == "pairs"]
+    monkeypatch.chdir(ROOT)  # their paths are the repo's
+    stage, config, _ = quality.parse(s31)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s31"))
+    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "peer2048"]
+    md = next((tmp_path / "s31").glob("quality_*_pairs.md")).read_text()
+    assert "| recipe | 6.869 (2) | 0.983 [0.95-1.01] | 2.922 (2) | 1.060 [1.03-1.10] |" in md
+    assert "| peer2048 | 7.205 (2) | 1.031 [1.01-1.06] | 3.044 (2) | 1.104 [1.08-1.13] |" in md
+    loops = md.split("Over the text before")[1].split("At T = 1")[0]
+    assert "| recipe | 2.504 (2) | 1.032 [1.00-1.08] |" in loops
+    by_run = md.split("Run by run:")[1]
+    assert "| recipe | 0.977-0.989 (2) | 1.048-1.072 (2) | — |" in by_run
+    stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
-    monkeypatch.chdir(ROOT)  # its paths are the repo's
     assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]
     md = next(tmp_path.glob("quality_*_pairs.md")).read_text()
     assert "| recipe | 6.869 (2) | 0.953 [0.92-0.98] | 2.922 (2) | 0.960 [0.93-0.99] |" in md
