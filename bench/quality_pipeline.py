@@ -45,6 +45,19 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# What an eval pass needs of --deadline before it starts: with the target not loaded yet,
+# the load and the first compiled graphs (EVAL_COLD_S); after a pass, half again the longest
+# pass of this process (no less than EVAL_WARM_MIN_S). s31 lost mined Python to a fixed
+# 120 s: 88 s were left after HumanEval's pass, which took ~25 s.
+EVAL_COLD_S = 120.0
+EVAL_WARM_MIN_S = 30.0
+
+
+def eval_seconds(loaded: bool, longest: float) -> float:
+    """The seconds of --deadline an eval pass asks for before it starts."""
+    return max(EVAL_WARM_MIN_S, 1.5 * longest) if loaded else EVAL_COLD_S
+
+
 def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
@@ -424,6 +437,7 @@ class Pipeline:
             trained = self.trained_prompts(kind)
             if trained is not None:
                 passes.append(EvalPass(f"{kind}_trained", trained, 0.0, held_out=False))
+        longest = 0.0  # the longest pass of this process so far, seconds
         for one in passes:
             name = one.name
             report_path = self.run_dir / "eval" / f"{name}.json"
@@ -436,7 +450,7 @@ class Pipeline:
             marker = self.marker(f"eval-{self.config.run}-{name}")
             if marker is not None and marker["settings"] == settings and report_path.exists():
                 continue
-            if not self.enough_time(f"eval {name}", 120.0):
+            if not self.enough_time(f"eval {name}", eval_seconds(loaded is not None, longest)):
                 return False
             config = EvalConfig(
                 target=self.target,
@@ -452,6 +466,7 @@ class Pipeline:
             if loaded is None:
                 loaded = load_eval_target(config)
             model, tokenizer = loaded
+            began = time.monotonic()
             report = run_eval(config, model, tokenizer, load_drafter(str(export)))
             add_sources(report, one.prompts)  # the bootstrap resamples whole sources
             # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample),
@@ -469,6 +484,7 @@ class Pipeline:
                     "dtype": "float32",
                 }
             write_report(report, str(report_path))
+            longest = max(longest, time.monotonic() - began)
             log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
             self.save_marker(f"eval-{self.config.run}-{name}", settings)
         return True

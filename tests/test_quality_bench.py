@@ -10,7 +10,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 from helpers import bench_modules
@@ -346,3 +347,63 @@ def test_the_defaults_make_the_shipped_drafters_data(
     assert here["target"]["forward_rows"] == 10 and here["drafter"]["intermediate_size"] == 704
     assert (here["eval"]["every"], run["eval"]["every"]) == (5000, 0)
     assert cfg.to_dict(smollm2_135m())["optim"] == run["optim"]
+
+
+def test_an_eval_pass_starts_when_half_again_the_longest_pass_fits(
+    quality: ModuleType, stages: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --deadline an eval pass starts when what it may need is left: 120 s before the
+    target is loaded (the load and the first compiled graphs), then half again the longest
+    pass of this process (at least 30 s). s31 lost mined Python to a fixed 120 s with 88 s
+    left after HumanEval's ~25 s pass. A call stopped there resumes at the next pass."""
+    clock = [0.0]
+    monkeypatch.setattr(stages, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    seconds = {"chat": 50.0, "humaneval": 25.0, "code": 25.0, "chat_t1": 20.0}
+    ran: list[str] = []
+
+    def load_target(config: object) -> tuple[str, str]:
+        clock[0] += 40.0
+        return "model", "tokenizer"
+
+    def run_eval(config: Any, model: object, tokenizer: object, drafter: object) -> dict:
+        name = Path(config.output).stem
+        ran.append(name)
+        clock[0] += seconds[name]
+        return {"tau": 2.0, "num_prompts": 24}
+
+    def write_report(report: dict, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report))
+
+    monkeypatch.setattr(stages, "load_eval_target", load_target)
+    monkeypatch.setattr(stages, "run_eval", run_eval)
+    monkeypatch.setattr(stages, "load_drafter", lambda path: None)
+    monkeypatch.setattr(stages, "add_sources", lambda report, prompts: None)
+    monkeypatch.setattr(stages, "write_report", write_report)
+    monkeypatch.setattr(
+        stages.Pipeline, "held_out_subset", lambda self, kind: tmp_path / f"{kind}.jsonl"
+    )
+
+    def pipeline(deadline: float) -> object:
+        argv = ["eval", "--output", str(tmp_path / "q"), "--target", "t", "--run", "r"]
+        _, config, overrides = quality.parse([*argv, "--deadline", str(deadline)])
+        config = dataclasses.replace(
+            config,
+            eval_kinds=["chat", "humaneval", "code"],
+            eval_sampled_kinds=["chat"],
+            eval_trained_kinds=[],
+            zlab_parity=False,
+        )
+        return stages.Pipeline(config, overrides, argv)
+
+    # loaded at 40 s; chat to 90 (110 left, 75 asked), HumanEval to 115 (85 left, 75 asked),
+    # mined Python to 140; 60 left < 75: the T = 1 pass waits for the next call
+    assert pipeline(200.0).eval() is False
+    assert ran == ["chat", "humaneval", "code"]
+    assert stages.eval_seconds(False, 0.0) == 120.0 and stages.eval_seconds(True, 10.0) == 30.0
+    clock[0] = 0.0
+    assert pipeline(100.0).eval() is False  # a fresh process: 120 s before the load
+    assert ran == ["chat", "humaneval", "code"]
+    clock[0] = 0.0
+    assert pipeline(130.0).eval() is True
+    assert ran == ["chat", "humaneval", "code", "chat_t1"]
