@@ -38,8 +38,9 @@ Reading stages (finished runs, no GPU): `compare`, `curves`, `pairs` (`--help` s
 each prints; the README shows each). Prints the table, then one JSON line.
 
 The modules beside it: quality_config.py (these options), quality_pipeline.py (the stages),
-quality_supervise.py (training under --deadline), quality_report.py (one run's report),
-quality_compare.py (several runs side by side), zlab_parity.py (z-lab's loop).
+quality_supervise.py (training under --deadline), quality_eval.py (the eval passes),
+quality_report.py (one run's report), quality_compare.py (several runs side by side),
+zlab_parity.py (z-lab's loop).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The stages of `bench/quality.py` over one output directory (`Pipeline`): build-prompts,
 generate, prepare, train, eval. Each skips when its marker in OUT/stages/ records the same
 settings, and stops where the next call can go on when --deadline would be overrun; the
-report stage and the readings of several runs are `quality_report` and `quality_compare`."""
+training process under --deadline and the eval passes are `quality_supervise` and
+`quality_eval`, the report stage and the readings of several runs are `quality_report` and
+`quality_compare`."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -14,13 +15,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from quality_config import SMOKE_RUN, SMOKE_SOURCES, STAGES, QualityConfig  # beside this script
-from quality_report import PREPARED, add_sources, write_spread_subset
+from quality_eval import digest, run_evals
+from quality_report import PREPARED
 from quality_supervise import supervise_resuming
-from zlab_parity import zlab_parity
 
 from flashdraft import assets, storage
 from flashdraft import config as cfg
@@ -31,46 +32,17 @@ from flashdraft.data.prepare import prepare
 from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.data.sources import TRAIN_FILE, SourcesConfig, build_prompts
 from flashdraft.data.template import TemplateOptions
-from flashdraft.eval.evaluate import EvalConfig, load_eval_target, run_eval
-from flashdraft.eval.report import write_report
 from flashdraft.log import get_logger
-from flashdraft.train.checkpoint import complete_checkpoints, load_drafter
+from flashdraft.train.checkpoint import complete_checkpoints
 from flashdraft.train.config import RunConfig
 from flashdraft.train.presets import smollm2_135m
 
 log = get_logger("bench.quality")
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# What an eval pass needs of --deadline before it starts: with the target not loaded yet,
-# the load and the first compiled graphs (EVAL_COLD_S); after a pass, half again the longest
-# pass of this process (no less than EVAL_WARM_MIN_S). s31 lost mined Python to a fixed
-# 120 s: 88 s were left after HumanEval's pass, which took ~25 s.
-EVAL_COLD_S = 120.0
-EVAL_WARM_MIN_S = 30.0
-
-
-def eval_seconds(loaded: bool, longest: float) -> float:
-    """The seconds of --deadline an eval pass asks for before it starts."""
-    return max(EVAL_WARM_MIN_S, 1.5 * longest) if loaded else EVAL_COLD_S
-
-
 def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
-
-
-class EvalPass(NamedTuple):
-    """One eval of a finished run: its report name, prompt file, temperature, and whether the
-    prompts are held out (else trained on: the fit check)."""
-
-    name: str
-    prompts: Path
-    temperature: float
-    held_out: bool
 
 
 class Pipeline:
@@ -391,7 +363,7 @@ class Pipeline:
         if self.config.prune_from is not None:  # which export, which neurons
             settings["init"] = (self.marker(f"prune-{self.config.run}") or {}).get("settings")
         marker = self.marker(name)
-        if marker is not None and _digest(marker["settings"]) != _digest(settings):
+        if marker is not None and digest(marker["settings"]) != digest(settings):
             raise ValueError(
                 f"{self.run_dir} was trained with other settings or data; choose another --run"
             )
@@ -418,103 +390,9 @@ class Pipeline:
     # ---- eval ----
 
     def eval(self) -> bool:
-        """True when every kind is evaluated; False when the deadline stopped it."""
-        export = self.run_dir / "export"
-        train = self.marker(f"train-{self.config.run}")
-        loaded: tuple[Any, Any] | None = None
-        held_out = {
-            kind: self.held_out_subset(kind)
-            for kind in {*self.config.eval_kinds, *self.config.eval_sampled_kinds}
-        }
-        passes = [
-            EvalPass(kind, held_out[kind], 0.0, held_out=True) for kind in self.config.eval_kinds
-        ]
-        passes += [
-            EvalPass(f"{kind}_t1", held_out[kind], 1.0, held_out=True)
-            for kind in self.config.eval_sampled_kinds
-        ]
-        for kind in self.config.eval_trained_kinds:
-            trained = self.trained_prompts(kind)
-            if trained is not None:
-                passes.append(EvalPass(f"{kind}_trained", trained, 0.0, held_out=False))
-        longest = 0.0  # the longest pass of this process so far, seconds
-        for one in passes:
-            name = one.name
-            report_path = self.run_dir / "eval" / f"{name}.json"
-            settings = {
-                "prompts": self.config.eval_prompts,
-                "selection": "spread over sources",  # was: the file's first N (2026-12-02)
-                "max_new_tokens": self.config.eval_max_new_tokens,
-                "train": _digest(train),
-            }
-            marker = self.marker(f"eval-{self.config.run}-{name}")
-            if marker is not None and marker["settings"] == settings and report_path.exists():
-                continue
-            if not self.enough_time(f"eval {name}", eval_seconds(loaded is not None, longest)):
-                return False
-            config = EvalConfig(
-                target=self.target,
-                drafter=str(export),
-                prompts=str(one.prompts),
-                output=str(report_path),
-                max_new_tokens=self.config.eval_max_new_tokens,
-                temperature=one.temperature,
-                limit=self.config.eval_prompts,
-                device=self.device,
-                reference=one.held_out,  # the speedup and lossless check: held-out only
-            )
-            if loaded is None:
-                loaded = load_eval_target(config)
-            model, tokenizer = loaded
-            began = time.monotonic()
-            report = run_eval(config, model, tokenizer, load_drafter(str(export)))
-            add_sources(report, one.prompts)  # the bootstrap resamples whole sources
-            # parity with z-lab's loop on the held-out T = 0 evals (at T = 1 the loops sample),
-            # on 4 prompts: exact agreement needs no more, and both loops are eager there
-            parity = None
-            if one.held_out and one.temperature == 0 and self.config.zlab_parity:
-                limit = min(4, self.config.eval_prompts)
-                parity = zlab_parity(dataclasses.replace(config, limit=limit, reference=False))
-            if parity is not None:
-                ours, theirs = parity
-                report["zlab_reference"] = {
-                    **theirs,
-                    "flashdraft_tau": ours["tau"],
-                    "flashdraft_steps": ours["total_steps"],
-                    "dtype": "float32",
-                }
-            write_report(report, str(report_path))
-            longest = max(longest, time.monotonic() - began)
-            log.info(f"eval {name}: tau {report['tau']:.3f} on {report['num_prompts']} prompts")
-            self.save_marker(f"eval-{self.config.run}-{name}", settings)
-        return True
-
-    def held_out_subset(self, kind: str) -> Path:
-        """The --eval-prompts held-out prompts of `kind`, spread over their sources (written
-        once): the held-out file lists a conversation's turns together, so its first 24
-        chat prompts came from 8 conversations (of 30), 9 of them from one."""
-        source = self.out / "prompts" / "held_out" / f"{kind}.jsonl"
-        out = self.out / "prompts" / "eval" / f"{kind}_{self.config.eval_prompts}.jsonl"
-        if not out.exists():
-            write_spread_subset(source, out, self.config.eval_prompts)
-        return out
-
-    def trained_prompts(self, kind: str) -> Path | None:
-        """The first --eval-prompts prompts of `kind` that the greedy pass answered (so the
-        drafter trained on their answers), written once; None when there are none."""
-        out = self.out / "prompts" / "trained" / f"{kind}_{self.config.eval_prompts}.jsonl"
-        answered = self.out / "gen" / "greedy.prompts.jsonl"
-        if not out.exists() and answered.exists():
-            picked: list[str] = []
-            with open(answered) as f:
-                for line in f:
-                    if len(picked) == self.config.eval_prompts:
-                        break
-                    if json.loads(line).get("kind") == kind:
-                        picked.append(line)
-            if picked:
-                storage.write_text_atomic(str(out), "".join(picked))
-        return out if out.exists() else None
+        """True when every kind is evaluated; False when the deadline stopped it
+        (`quality_eval.run_evals`)."""
+        return run_evals(self)
 
 
 # ---- helpers of the stages ----

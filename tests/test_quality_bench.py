@@ -1,6 +1,6 @@
-"""bench/quality.py and its stages (bench/quality_pipeline.py): the command line and the
-README's lines, the stages' own files and markers, the committed data and drafter, and
-(slow) the whole pipeline in its CPU smoke size."""
+"""bench/quality.py and its stages (bench/quality_pipeline.py, the eval stage in
+bench/quality_eval.py): the command line and the README's lines, the stages' own files and
+markers, the committed data and drafter, and (slow) the whole pipeline in its CPU smoke size."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def stages(quality: ModuleType) -> ModuleType:
     """bench/quality_pipeline.py: the stages `quality.py` runs."""
     return sys.modules["quality_pipeline"]
+
+
+@pytest.fixture(scope="module")
+def evals(quality: ModuleType) -> ModuleType:
+    """bench/quality_eval.py: the eval stage `Pipeline.eval` runs."""
+    return sys.modules["quality_eval"]
 
 
 def test_prompt_subsets_carry_their_pass_in_the_id(stages: ModuleType, tmp_path: Path) -> None:
@@ -350,14 +356,20 @@ def test_the_defaults_make_the_shipped_drafters_data(
 
 
 def test_an_eval_pass_starts_when_half_again_the_longest_pass_fits(
-    quality: ModuleType, stages: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    quality: ModuleType,
+    stages: ModuleType,
+    evals: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under --deadline an eval pass starts when what it may need is left: 120 s before the
     target is loaded (the load and the first compiled graphs), then half again the longest
     pass of this process (at least 30 s). s31 lost mined Python to a fixed 120 s with 88 s
     left after HumanEval's ~25 s pass. A call stopped there resumes at the next pass."""
     clock = [0.0]
-    monkeypatch.setattr(stages, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    clocked = SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(stages, "time", clocked)  # the deadline: `Pipeline.remaining`
+    monkeypatch.setattr(evals, "time", clocked)  # each pass's own seconds
     seconds = {"chat": 50.0, "humaneval": 25.0, "code": 25.0, "chat_t1": 20.0}
     ran: list[str] = []
 
@@ -375,14 +387,12 @@ def test_an_eval_pass_starts_when_half_again_the_longest_pass_fits(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report))
 
-    monkeypatch.setattr(stages, "load_eval_target", load_target)
-    monkeypatch.setattr(stages, "run_eval", run_eval)
-    monkeypatch.setattr(stages, "load_drafter", lambda path: None)
-    monkeypatch.setattr(stages, "add_sources", lambda report, prompts: None)
-    monkeypatch.setattr(stages, "write_report", write_report)
-    monkeypatch.setattr(
-        stages.Pipeline, "held_out_subset", lambda self, kind: tmp_path / f"{kind}.jsonl"
-    )
+    monkeypatch.setattr(evals, "load_eval_target", load_target)
+    monkeypatch.setattr(evals, "run_eval", run_eval)
+    monkeypatch.setattr(evals, "load_drafter", lambda path: None)
+    monkeypatch.setattr(evals, "add_sources", lambda report, prompts: None)
+    monkeypatch.setattr(evals, "write_report", write_report)
+    monkeypatch.setattr(evals, "held_out_subset", lambda pipeline, kind: tmp_path / f"{kind}.jsonl")
 
     def pipeline(deadline: float) -> object:
         argv = ["eval", "--output", str(tmp_path / "q"), "--target", "t", "--run", "r"]
@@ -400,7 +410,7 @@ def test_an_eval_pass_starts_when_half_again_the_longest_pass_fits(
     # mined Python to 140; 60 left < 75: the T = 1 pass waits for the next call
     assert pipeline(200.0).eval() is False
     assert ran == ["chat", "humaneval", "code"]
-    assert stages.eval_seconds(False, 0.0) == 120.0 and stages.eval_seconds(True, 10.0) == 30.0
+    assert evals.eval_seconds(False, 0.0) == 120.0 and evals.eval_seconds(True, 10.0) == 30.0
     clock[0] = 0.0
     assert pipeline(100.0).eval() is False  # a fresh process: 120 s before the load
     assert ran == ["chat", "humaneval", "code"]
