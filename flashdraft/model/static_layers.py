@@ -15,15 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
+from flashdraft.model.drafter import apply_rope  # the drafter's RoPE, the same arithmetic
 
 # The dense parts of a decoder layer, before and after attention. `fused` (optional): the
 # layer's q/k/v weights as one matrix (and bias) and its MLP's gate/up as one
@@ -52,11 +47,8 @@ def project(
     q, k, v = q.view(r, n, hq, d), k.view(r, n, hkv, d), v.view(r, n, hkv, d)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = rope[0][:, None], rope[1][:, None]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R, h, n, D]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
 def finish(layer: Any, fused: Fused | None, x: Tensor, attended: Tensor) -> Tensor:
