@@ -41,7 +41,8 @@ from flashdraft.train.config import RunConfig, load_run_config
 from flashdraft.train.parallel import barrier, init_distributed, shutdown
 from flashdraft.train.plan import plan_run
 from flashdraft.train.server import serve_target
-from flashdraft.train.trainer import Interval, Trainer
+from flashdraft.train.step_rows import Interval
+from flashdraft.train.trainer import Trainer
 
 
 def parse() -> argparse.Namespace:

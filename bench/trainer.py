@@ -44,7 +44,8 @@ from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import plan_run
-from flashdraft.train.trainer import PHASES, Interval, StepRows, Trainer
+from flashdraft.train.step_rows import PHASES, Interval, StepRows
+from flashdraft.train.trainer import Trainer
 
 log = get_logger("bench.trainer")
 

@@ -35,7 +35,8 @@ from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import plan_run
 from flashdraft.train.presets import RunSource
 from flashdraft.train.step import draft_loss
-from flashdraft.train.trainer import Interval, StepRows, Trainer
+from flashdraft.train.step_rows import Interval, StepRows
+from flashdraft.train.trainer import Trainer
 
 
 @dataclass(kw_only=True, slots=True)

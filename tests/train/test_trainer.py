@@ -295,7 +295,7 @@ def cli_config(settings: list[str]):
 
 
 def test_the_target_runs_ahead_in_groups_that_end_at_each_checkpoint() -> None:
-    from flashdraft.train.trainer import group_steps
+    from flashdraft.train.step_rows import group_steps
 
     # 4 steps a group, checkpoints every 6, 13 steps: 4, 2 | 4, 2 | 1.
     starts, step = [], 0
