@@ -58,7 +58,7 @@ from peer_config import (  # beside this script
 )
 from peer_state import load_progress, save_progress
 from peers import framework_version
-from peers_steps import compute_setup
+from peers_inputs import compute_setup
 from quality_report import add_sources, write_spread_subset
 
 from flashdraft import assets, storage

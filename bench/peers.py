@@ -27,8 +27,8 @@ the wheels the GPU image lacks). A loss-parity pass at T = A + B, where every ca
 anchor, runs all three on identical weights, inputs and blocks and compares their losses.
 Prints a table, then one JSON line; where the frameworks' definitions differ (anchors,
 labels, loss normalisation, optimizer) the output lists it under "caveats". The steps
-themselves and their seeded inputs are in peers_steps.py beside it; this file runs them, one
-worker process per framework and size, and makes the table.
+themselves are in peers_steps.py beside it, their seeded inputs in peers_inputs.py; this file
+runs them, one worker process per framework and size, and makes the table.
 """
 
 from __future__ import annotations
@@ -47,15 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peers_steps import (  # beside this script
-    SEED,
-    Case,
-    Geometry,
-    drafter_config,
-    run_flashdraft,
-    run_specforge,
-    run_speculators,
-)
+from peers_inputs import SEED, Case, Geometry, drafter_config  # beside this script
+from peers_steps import run_flashdraft, run_specforge, run_speculators
 
 FRAMEWORKS = ("flashdraft", "speculators", "specforge")
 PACKAGES = {"flashdraft": None, "speculators": "speculators", "specforge": "specforge"}
