@@ -11,16 +11,16 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from torch import Tensor
 
+from flashdraft.train.config import RunConfig
 from flashdraft.train.features import AheadTarget
+from flashdraft.train.held_out import HeldOutEval
 from flashdraft.train.loss import BlockStats
 from flashdraft.train.packing import Row
-
-if TYPE_CHECKING:
-    from flashdraft.train.trainer import Trainer
+from flashdraft.train.schedule import Stopwatch
 
 PHASES = ("target", "drafter")  # the step's timed phases (metrics: target_s, drafter_s)
 
@@ -49,12 +49,24 @@ def group_steps(step: int, total: int, per_group: int, *every: int) -> int:
     return steps
 
 
+class Stepping(Protocol):
+    """What `StepRows` reads of the trainer (a `Trainer`; named here so this module does not
+    import it): the run's config, whether evals run, the feature source, the step counters."""
+
+    config: RunConfig
+    held_out: HeldOutEval  # `.on`: evals run
+    source: Any  # the feature source; an AheadTarget runs ahead
+    step: int
+    total_steps: int
+    stopwatch: Stopwatch
+
+
 class StepRows:
     """The rows of each optimizer step, in stream order. With `target.forward_rows` = R > 1
     (an `AheadTarget`) it takes the rows of the next R / G steps at once (`group_steps`) and
     has the target run over them before the first of those steps."""
 
-    def __init__(self, trainer: Trainer, rows: Iterator[Row]) -> None:
+    def __init__(self, trainer: Stepping, rows: Iterator[Row]) -> None:
         self.trainer, self.rows = trainer, rows
         config = trainer.config
         self.accum = config.optim.grad_accum
