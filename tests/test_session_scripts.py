@@ -1,0 +1,453 @@
+"""The device session scripts (bench/quality_session.sh and the other *_session.sh): their
+stages parse, refuse what they cannot do in one line before any work, carry a run's checkpoint
+over calls, and run peers and ablations side by side in their own folders. Run on the CPU with
+stand-ins for the GPU work, so a broken stage fails here, not on the device machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_device_session_scripts_parse_and_refuse_an_unknown_stage(tmp_path: Path) -> None:
+    """A shell syntax error in a session script costs a device call: `bash -n` here, and an
+    unknown stage ends with exit 2 and the list of stages, before any work."""
+    scripts = sorted((ROOT / "bench").glob("*.sh"))
+    assert {"quality_session.sh", "checks_session.sh"} <= {p.name for p in scripts}
+    for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True, timeout=60)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
+    for script, expect in (("quality_session.sh", "multi"), ("checks_session.sh", "muon")):
+        done = subprocess.run(
+            ["bash", str(ROOT / "bench" / script), "nope"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, (script, done.stdout, done.stderr)
+        assert "unknown stage nope" in done.stdout and expect in done.stdout
+
+
+def test_a_stage_on_a_fresh_machine_says_so_in_one_line_before_any_work(tmp_path: Path) -> None:
+    """A device call that finds a fresh machine (the one that ran `one` has gone) ends at once
+    with exit 3 and what to run, for every stage that needs `one`'s wheels; with them, the
+    guard lets the stage go on (here to `multi`'s own complaint that ABLATIONS is unset)."""
+    site = tmp_path / "site"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(site)}  # fmt: skip
+    script = str(ROOT / "bench" / "quality_session.sh")
+    for stage in ("two", "more", "multi", "ablate", "peer", "peereval"):
+        done = subprocess.run(
+            ["bash", script, stage], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 3, (stage, done.stdout, done.stderr)
+        lines = done.stdout.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("== fresh machine:"), (stage, lines)
+        assert "run `one`" in lines[0]
+    site.mkdir()
+    done = subprocess.run(
+        ["bash", script, "multi"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 3 and "fresh machine" not in done.stdout
+    assert "ABLATIONS" in done.stderr
+
+
+def test_an_ablation_word_is_a_run_setting_or_a_quality_flag() -> None:
+    """`quality_session.sh multi`/`ablate`: KEY=VALUE becomes `--set KEY=VALUE`, a word
+    starting with -- (e.g. --loops=untrain, a bench/quality.py option) goes as it is."""
+    script = (ROOT / "bench" / "quality_session.sh").read_text()
+    start = script.index("as_args() {")
+    function = script[start : script.index("\n}\n", start) + 3]
+    words = "optim.epochs=2 --loops=untrain eval.every=0"
+    done = subprocess.run(
+        ["bash", "-c", f'{function}sets=(); for w in {words}; do as_args "$w"; done; '
+         'printf "%s|" "${sets[@]}"'],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert done.stdout == "--set|optim.epochs=2|--loops=untrain|--set|eval.every=0|"
+
+
+def _functions(script: str, *names: str) -> str:
+    """The bodies of shell functions NAME() { ... } of a bench script, to run one alone."""
+    text = (ROOT / "bench" / script).read_text()
+    parts = []
+    for name in names:
+        start = text.index(f"{name}() {{")
+        parts.append(text[start : text.index("\n}\n", start) + 3])
+    return "".join(parts)
+
+
+def test_a_checkpoint_sent_back_over_two_calls_restores_the_run_on_a_fresh_machine(
+    tmp_path: Path,
+) -> None:
+    """`multi` with SEND_CKPT=NAME queues the newest complete checkpoint of an unfinished run
+    in parts and sends what fits the return limit each call: the next call first the rest,
+    then the parts of its own newest checkpoint that fit. `restore`, with the parts carried in
+    .qckpt/ over two calls, puts back the newest whole checkpoint and the files resuming
+    reads, and nothing else (not older, incomplete or partly sent checkpoints, not evals)."""
+    functions = _functions("quality_session.sh", "send_checkpoints", "restore_checkpoints")
+    old = tmp_path / "old"
+    files = {
+        "runs/r6/metrics.jsonl": '{"step": 20}\n',
+        "runs/r6.run.json": "{}",
+        "runs/r6.log": "log",
+        "stages/train-r6.json": '{"finished": false}',
+        "runs/r6/checkpoints/step_00000500/COMPLETE": "",
+        "runs/r6/checkpoints/step_00000500/drafter.safetensors": "older",
+        "runs/r6/checkpoints/step_00001000/COMPLETE": "",
+        "runs/r6/checkpoints/step_00001000/drafter.safetensors": os.urandom(45_000).hex(),
+        "runs/r6/checkpoints/step_00001500/drafter.safetensors": os.urandom(45_000).hex(),
+        "runs/r6/eval/chat.json": "{}",
+    }
+    for rel, text in files.items():
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_text(text)
+    queue = tmp_path / "queue" / "r6"
+    sent: dict[int, list[Path]] = {}
+    for call in (1, 2):
+        out = tmp_path / f"out{call}"
+        out.mkdir()
+        (out / "results.tar").write_bytes(b"r" * 5_000)
+        done = subprocess.run(
+            ["bash", "-c", f"{functions}send_checkpoints"],
+            env={"PATH": "/usr/bin:/bin", "RUN_DIR": str(old), "OUT": str(out),
+                 "SEND_CKPT": "r6 other", "CKPT_QUEUE": str(queue.parent),
+                 "CKPT_PART_BYTES": "20000", "RETURN_BYTES": "50000"},
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        sent[call] = sorted(out.glob("ckpt_*"))
+        assert sum(p.stat().st_size for p in out.iterdir()) <= 50_000, done.stdout
+        if call == 1:  # the checkpoint of step 1500 completes meanwhile
+            (old / "runs/r6/checkpoints/step_00001500/COMPLETE").write_text("")
+    assert [p.name for p in sent[1]] == [f"ckpt_r6.step_00001000.tgz.part{s}" for s in ("aa", "ab")]
+    assert [p.name for p in sent[2]] == [
+        "ckpt_r6.step_00001000.tgz.partac", "ckpt_r6.step_00001500.tgz.partaa"
+    ]  # fmt: skip
+    left = sorted(p.name for p in queue.iterdir())  # for the next call
+    assert left == [f"ckpt_r6.step_00001500.tgz.part{s}" for s in ("ab", "ac")]
+    fresh = tmp_path / "fresh"
+    carry = tmp_path / "repo" / ".qckpt"
+    carry.mkdir(parents=True)
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(fresh)}
+    restore = f"{functions}restore_checkpoints"
+    for part in [*sent[1], sent[2][1]]:  # the first carry call: not all parts of either
+        shutil.copy(part, carry)
+    out = subprocess.run(["bash", "-c", restore], cwd=carry.parent, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert out.count("not whole yet") == 2 and not (fresh / "runs").exists(), out
+    shutil.rmtree(carry)
+    carry.mkdir()
+    shutil.copy(sent[2][0], carry)  # the second carry call: the rest of step 1000's
+    out = subprocess.run(["bash", "-c", restore], cwd=carry.parent, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout  # fmt: skip
+    assert "r6: restored" in out and "step_00001000" in out, out
+    got = {str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file()}
+    expect = {k for k in files if "00000500" not in k and "00001500" not in k and "eval" not in k}
+    assert got == expect
+    assert all((fresh / k).read_text() == files[k] for k in expect)
+
+
+def test_multi_in_sequence_starts_a_run_only_after_the_one_before_completes(
+    tmp_path: Path,
+) -> None:
+    """`multi` with MULTI_SEQUENCE=1 (a run that prunes another's export needs it finished):
+    each run starts after the one before has ended complete; an incomplete run (its
+    deadline came) leaves the later ones for the next call. bench/quality.py is a stand-in
+    here that logs its start and end and is complete unless its run is named `cut*`."""
+    fake = tmp_path / "bench" / "quality.py"
+    fake.parent.mkdir()
+    fake.write_text(textwrap.dedent('''
+        import json, os, sys, time
+        run = sys.argv[sys.argv.index("--run") + 1]
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"start {run} {' '.join(sys.argv[1:])}\\n")
+        time.sleep(0.3)
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"end {run}\\n")
+        print(json.dumps({"complete": not run.startswith("cut"), "run": run}))
+    '''))  # fmt: skip
+    (tmp_path / "site").mkdir()
+    calls = tmp_path / "calls.txt"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "MULTI_SEQUENCE": "1",
+           "MULTI_MIN": "1", "STAGGER_MAX": "1", "QUALITY_ARGS": "--smoke"}  # fmt: skip
+    script = str(ROOT / "bench" / "quality_session.sh")
+
+    def multi(ablations: str) -> list[str]:
+        calls.write_text("")
+        done = subprocess.run(
+            ["bash", script, "multi"], cwd=tmp_path, env={**env, "ABLATIONS": ablations},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return [" ".join(line.split()[:2]) for line in calls.read_text().splitlines()]
+
+    events = multi("ref6 loss.anchors=512;small --prune-from=ref6 optim.epochs=2")
+    assert events == ["start ref6", "end ref6", "start small", "end small"]
+    started = [line for line in calls.read_text().splitlines() if line.startswith("start small")]
+    assert "--prune-from=ref6 --set optim.epochs=2" in started[0]
+    assert multi("cut1 optim.epochs=2;after optim.epochs=2") == ["start cut1", "end cut1"]
+
+
+def test_the_peer_stage_trains_then_evaluates_with_the_runs_eval_stage(tmp_path: Path) -> None:
+    """`quality_session.sh peer`: bench/peer_recipe.py trains (no --eval-prompts of its own),
+    and once its report exists bench/quality.py's eval stage evaluates the export as it does
+    the runs (same prompts, QUALITY_ARGS), so `compare` pairs them prompt by prompt; a peer
+    stopped for its deadline is not evaluated, and a call that finds it trained only
+    evaluates. Both scripts are stand-ins that log their arguments."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "peer_recipe.py").write_text(textwrap.dedent('''
+        import json, os, pathlib, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("peer_recipe " + " ".join(sys.argv[1:]) + "\\n")
+        if not os.environ.get("CUT"):
+            out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.json").write_text(json.dumps({"complete": True, "output": str(out)}))
+    '''))  # fmt: skip
+    (bench / "quality.py").write_text(textwrap.dedent('''
+        import os, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("quality " + " ".join(sys.argv[1:]) + "\\n")
+        print("eval chat: tau 2.000 on 24 prompts")
+    '''))  # fmt: skip
+    (tmp_path / "site").mkdir()
+    calls, run_dir = tmp_path / "calls.txt", tmp_path / "run"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(tmp_path / "site"), "CALLS": str(calls), "RUN_DIR": str(run_dir),
+           "QUALITY_ARGS": "--gpus 1 --no-zlab-parity", "PEER_ARGS": "--epochs 2"}  # fmt: skip
+    script = str(ROOT / "bench" / "quality_session.sh")
+
+    def peer(**extra: str) -> list[str]:
+        calls.write_text("")
+        done = subprocess.run(
+            ["bash", script, "peer"], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return calls.read_text().splitlines()
+
+    (cut,) = peer(CUT="1")  # the deadline: what is left of 555 s, less 20 to save its state
+    words = cut.split()
+    assert 520 <= int(words[words.index("--deadline") + 1]) <= 535
+    assert cut.endswith(f"--data {run_dir}/data --output {run_dir}/runs/peer-speculators")
+    (trained, evaluated) = peer()
+    assert trained.startswith("peer_recipe --epochs 2") and "--eval-prompts" not in trained
+    assert evaluated.startswith("quality eval --run peer-speculators --deadline ")
+    assert f"--output {run_dir} " in evaluated
+    assert evaluated.endswith(f"--bench-dir {tmp_path}/out --gpus 1 --no-zlab-parity")
+    # trained already: peer_recipe checks its settings (and trains nothing), then the eval
+    checked, again = peer()
+    assert checked.startswith("peer_recipe --epochs 2")
+    assert again.startswith("quality eval --run peer-speculators")
+    assert (tmp_path / "out" / "peer_report.json").exists()
+    assert peer(PEER_DEADLINE="100") == []  # under PEER_MIN left: nothing starts
+    # a second peer beside the first (its seed noise): its own folder, its own eval
+    os.remove(tmp_path / "out" / "peer_report.json")
+    trained, evaluated = peer(PEER_NAME="peer-seed1", PEER_ARGS="--epochs 2 --seed 1")
+    assert trained.startswith("peer_recipe --epochs 2 --seed 1 ")
+    assert trained.endswith(f"--output {run_dir}/runs/peer-seed1")
+    assert evaluated.startswith("quality eval --run peer-seed1 --deadline ")
+    assert (run_dir / "runs" / "peer-speculators" / "report.json").exists()
+    copied = json.loads((tmp_path / "out" / "peer_report.json").read_text())
+    assert copied["output"] == f"{run_dir}/runs/peer-seed1"  # its own report comes back
+
+
+def _session_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a `quality_session.sh` call with stand-in scripts in tmp_path/bench:
+    a machine that ran `one` (SITE exists), calls logged to tmp_path/calls.txt."""
+    (tmp_path / "site").mkdir(exist_ok=True)
+    return {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+            "SITE": str(tmp_path / "site"), "CALLS": str(tmp_path / "calls.txt"),
+            "RUN_DIR": str(tmp_path / "run"), "QUALITY_ARGS": "--gpus 1", "MULTI_MIN": "1",
+            **extra}  # fmt: skip
+
+
+def _session(tmp_path: Path, stage: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """bench/quality_session.sh STAGE run in tmp_path (where its stand-ins are) under env."""
+    return subprocess.run(
+        ["bash", str(ROOT / "bench" / "quality_session.sh"), stage], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_multi_runs_several_peers_side_by_side_each_with_its_own_folder_and_logs(
+    tmp_path: Path,
+) -> None:
+    """`multi` with PEERS="NAME FLAGS...;...": each peer recipe trains into its own run folder
+    with its own flags, beside the others, and is then evaluated by the runs' eval stage
+    under its name; each keeps its own logs in multi.tgz; ABLATIONS may be empty then, and
+    neither set is a one-line error. Both scripts are stand-ins that log their arguments."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "peer_recipe.py").write_text(textwrap.dedent('''
+        import json, os, pathlib, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("peer_recipe " + " ".join(sys.argv[1:]) + "\\n")
+        out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps({"output": str(out)}))
+        print("trained " + out.name)
+    '''))  # fmt: skip
+    (bench / "quality.py").write_text(textwrap.dedent('''
+        import os, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("quality " + " ".join(sys.argv[1:]) + "\\n")
+        print("eval chat: tau 2.000 on 24 prompts, run " + sys.argv[sys.argv.index("--run") + 1])
+    '''))  # fmt: skip
+    calls, run_dir, out = tmp_path / "calls.txt", tmp_path / "run", tmp_path / "out"
+    env = _session_env(
+        tmp_path, PEERS="pa --epochs 2 --anchors 512;pb --epochs 2 --anchors 512 --seed 1"
+    )
+    done = _session(tmp_path, "multi", env)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    lines = calls.read_text().splitlines()
+    trained = sorted(line for line in lines if line.startswith("peer_recipe"))
+    assert len(trained) == 2
+    assert trained[0].startswith("peer_recipe --epochs 2 --anchors 512 --deadline ")
+    assert trained[0].endswith(f"--output {run_dir}/runs/pa")
+    assert trained[1].startswith("peer_recipe --epochs 2 --anchors 512 --seed 1 --deadline ")
+    assert trained[1].endswith(f"--output {run_dir}/runs/pb")
+    evaluated = sorted(line.split("--deadline")[0] for line in lines if line.startswith("quality"))
+    assert evaluated == ["quality eval --run pa ", "quality eval --run pb "]
+    assert "== pa" in done.stdout and "== pb" in done.stdout
+    with tarfile.open(out / "multi.tgz") as archive:
+        logs = {Path(name).name: archive.extractfile(name) for name in archive.getnames()}
+        texts = {k: v.read().decode() for k, v in logs.items() if v is not None}
+    assert "trained pa" in texts["pa.txt"] and "trained pb" in texts["pb.txt"]
+    assert "run pa" in texts["pa_eval.txt"] and "run pb" in texts["pb_eval.txt"]
+    nothing = _session(tmp_path, "multi", {**env, "PEERS": ""})
+    assert nothing.returncode == 2 and "ABLATIONS" in nothing.stderr and "PEERS" in nothing.stderr
+    # a name twice, `peer` (the logs of PEER_BESIDE's), a run's name, no name (flags first)
+    for clash, extra in (("pa --epochs 2;pa --seed 1", {}), ("peer --epochs 2", {}),
+                         ("r1 --epochs 2", {"ABLATIONS": "r1 optim.epochs=2"}),
+                         ("--epochs 2", {})):  # fmt: skip
+        refused = _session(tmp_path, "multi", {**env, "PEERS": clash, **extra})
+        assert refused.returncode == 2 and "is not a free run name" in refused.stderr, clash
+
+
+def test_the_peer_wheels_install_once_for_every_peer_of_a_call(tmp_path: Path) -> None:
+    """`multi` with PEER_BESIDE=1 and PEERS: the carried .whl/peers is installed once, before
+    any peer starts (peers installing at once would write over each other), and not again
+    by a later call on the same machine with the same wheels; other wheels are installed;
+    the one beside keeps its folder and logs (peer-speculators, multi/peer.txt); a PEERS
+    name taken by it is refused; wheels that fail to install are said on stdout, start no
+    peer and are tried again by the next call. pip and both scripts are stand-ins that log
+    their calls."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "peer_recipe.py").write_text(textwrap.dedent('''
+        import json, os, pathlib, sys
+        out = pathlib.Path(sys.argv[sys.argv.index("--output") + 1])
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"peer_recipe {out.name} {os.environ['PYTHONPATH'].split(':')[0]}\\n")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text("{}")
+        print("trained " + out.name)
+    '''))  # fmt: skip
+    (bench / "quality.py").write_text("print('eval')\n")
+    pip = tmp_path / "pip.sh"  # --target DIR WHEEL...: logs, takes a while, installs
+    pip.write_text(
+        'echo "pip $(basename "$3")" >> "$CALLS"; sleep 0.5; mkdir -p "$2"; touch "$2/ok"\n'
+    )
+    (tmp_path / ".whl" / "peers").mkdir(parents=True)
+    (tmp_path / ".whl" / "peers" / "a-1-py3-none-any.whl").write_text("")
+    calls, site = tmp_path / "calls.txt", tmp_path / "peer-site"
+    env = _session_env(
+        tmp_path, PIP_INSTALL=f"bash {pip}", PEER_SITE=str(site), PEER_BESIDE="1",
+        PEER_ARGS="--epochs 2", PEERS="pa --epochs 2;pb --epochs 2 --seed 1",
+    )  # fmt: skip
+
+    def multi(**extra: str) -> list[str]:
+        calls.write_text("")
+        done = _session(tmp_path, "multi", {**env, **extra})
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return calls.read_text().splitlines()
+
+    first, *rest = multi()
+    assert first == "pip a-1-py3-none-any.whl"  # before any peer started
+    assert sorted(rest) == [
+        f"peer_recipe pa {site}", f"peer_recipe pb {site}", f"peer_recipe peer-speculators {site}"
+    ]  # fmt: skip
+    with tarfile.open(tmp_path / "out" / "multi.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert {"peer.txt", "pa.txt", "pb.txt"} <= names
+    assert not any(line.startswith("pip") for line in multi())  # the same wheels: installed
+    (tmp_path / ".whl" / "peers" / "b-1-py3-none-any.whl").write_text("")
+    assert sum(line.startswith("pip") for line in multi()) == 1  # other wheels: once again
+    refused = _session(tmp_path, "multi", {**env, "PEERS": "peer-speculators --epochs 2"})
+    assert refused.returncode == 2 and "'peer-speculators' is not a free" in refused.stderr
+    # wheels that do not install: said on stdout, no peer starts, the next call tries again
+    pip.write_text('echo "pip $(basename "$3")" >> "$CALLS"; exit 1\n')
+    (tmp_path / ".whl" / "peers" / "c-1-py3-none-any.whl").write_text("")
+    for _ in range(2):
+        calls.write_text("")
+        done = _session(tmp_path, "multi", env)
+        assert done.returncode == 0 and "did not install" in done.stdout, done.stdout
+        assert calls.read_text().splitlines() == ["pip a-1-py3-none-any.whl"]
+
+
+def test_multi_spreads_peers_and_runs_over_the_gpus_in_start_order(tmp_path: Path) -> None:
+    """On the x2 machine (MULTI_GPUS="0 1") the peer beside, the PEERS and the runs take the
+    GPUs in turn, in the order they start, from one count: two jobs never both sit on GPU 0
+    while GPU 1 idles. Both scripts are stand-ins that log their GPU."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    log = """
+        import json, os, pathlib, sys
+        name = sys.argv[sys.argv.index("--run" if "--run" in sys.argv else "--output") + 1]
+        with open(os.environ["CALLS"], "a") as f:
+            f.write(f"{pathlib.Path(name).name} {os.environ.get('CUDA_VISIBLE_DEVICES')}\\n")
+        if "--run" not in sys.argv:  # the peer: its report says it is trained
+            pathlib.Path(name).mkdir(parents=True, exist_ok=True)
+            (pathlib.Path(name) / "report.json").write_text("{}")
+        print(json.dumps({"complete": True}))
+    """
+    (bench / "peer_recipe.py").write_text(textwrap.dedent(log))
+    (bench / "quality.py").write_text(textwrap.dedent(log))
+    env = _session_env(
+        tmp_path, MULTI_GPUS="0 1", PEER_BESIDE="1", PEERS="pa --epochs 2;pb --epochs 2",
+        ABLATIONS="r1 optim.epochs=2;r2 optim.epochs=2",
+    )  # fmt: skip
+    done = _session(tmp_path, "multi", env)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    placed = sorted(
+        set((tmp_path / "calls.txt").read_text().splitlines())
+    )  # a peer's eval runs on its GPU too
+    assert placed == ["pa 1", "pb 0", "peer-speculators 0", "r1 1", "r2 0"]
+
+
+def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None:
+    """`two` without its part of the GGUF (s25 sent it without its carry) says in one line how
+    many bytes it has and what to carry, instead of a checksum failure that reads like a lost
+    machine; without the first part (kept by `one`) it says to start again with `one`."""
+    parts, site = tmp_path / "parts", tmp_path / "site"
+    parts.mkdir()
+    site.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path),
+           "SITE": str(site), "GGUF_PARTS": str(parts)}  # fmt: skip
+
+    def two() -> str:
+        done = subprocess.run(
+            ["bash", str(ROOT / "bench" / "quality_session.sh"), "two"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        (line,) = done.stdout.strip().splitlines()
+        return line
+
+    (parts / "partab").write_bytes(b"x" * 10)  # this call's part, on a fresh machine
+    line = two()
+    assert "first part is not here (10 of 98362432 bytes" in line and "call one" in line
+    (parts / "partab").unlink()
+    (parts / "partaa").write_bytes(b"x" * 1000)  # what `one` left; this call carried nothing
+    line = two()
+    assert "1000 of 98362432 bytes" in line and "(partaa)" in line and ".gguf/partab" in line
