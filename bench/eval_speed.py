@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from generate import synthetic_target  # beside this script
 
 from flashdraft.benchutil import environment, measure, print_json, print_table
 from flashdraft.eval.fast import StaticDecoder, cache_slots
@@ -30,27 +31,7 @@ def speed_target(args, device):
         return load_target(
             args.target, "bfloat16" if device.type == "cuda" else "float32", "sdpa", device
         )
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    smoke = args.smoke
-    config = LlamaConfig(
-        vocab_size=256 if smoke else 49152,
-        hidden_size=64 if smoke else 576,
-        intermediate_size=128 if smoke else 1536,
-        num_hidden_layers=6 if smoke else 30,
-        num_attention_heads=4 if smoke else 9,
-        num_key_value_heads=2 if smoke else 3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return model.eval().requires_grad_(False)
+    return synthetic_target(args.smoke, str(device), args.seed)
 
 
 def replay_ms(fn, device, iters: int) -> float:

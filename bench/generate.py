@@ -137,23 +137,24 @@ def peak_memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def synthetic_target(smoke: bool, device: str) -> Any:
-    """A random Llama with SmolLM2-135M's shape (tiny with --smoke)."""
+def synthetic_target(smoke: bool, device: str, seed: int = 0) -> Any:
+    """A random Llama with SmolLM2-135M's shape (tiny with --smoke), bf16 on CUDA."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=256 if smoke else 49152,
         hidden_size=64 if smoke else 576,
         intermediate_size=128 if smoke else 1536,
-        num_hidden_layers=4 if smoke else 30,
+        num_hidden_layers=6 if smoke else 30,  # 6: enough for a 3-layer drafter's default taps
         num_attention_heads=4 if smoke else 9,
         num_key_value_heads=2 if smoke else 3,
         max_position_embeddings=8192,
         rope_theta=100000.0,
+        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model = model.to(torch.bfloat16 if device.startswith("cuda") else torch.float32)
