@@ -85,6 +85,15 @@ log = get_logger("bench.peer_recipe")
 # ---- training: flashdraft's rows and taps, speculators' step -----------------------------
 
 
+def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """OUT/metrics.jsonl: one record per logged step (`elapsed_s`: seconds in the training
+    loop over all of the run's calls, the first step's compile included), rewritten whole at
+    each save, a stop for --deadline included, and at the end."""
+    storage.write_text_atomic(
+        str(out / "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in history)
+    )
+
+
 def train_peer(
     plan: RunPlan,
     model: Any,
@@ -187,6 +196,9 @@ def train_peer(
                     "history": history,
                 }
                 save_progress(resume, progress, model, optimizers, schedulers)
+                # The curve so far beside it: a run stopped for good (a lost machine) still
+                # has its measured steps and step times where the results are collected.
+                write_metrics(Path(config.output), history)
             if stop:
                 log.info(
                     f"step {step}/{plan.total_steps}: stopped for --deadline, state in {resume};"
@@ -381,9 +393,7 @@ def train_stage(
     trained["export"] = export(model, out, c)
     del model
     free_memory()
-    storage.write_text_atomic(
-        str(out / "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in trained["history"])
-    )
+    write_metrics(out, trained["history"])
     storage.write_json_atomic(str(marker), {"settings": settings, **trained})
     for left in ("resume", "resume.new", "resume.old"):  # an earlier call's state: used up
         shutil.rmtree(out / left, ignore_errors=True)

@@ -262,6 +262,9 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert cut.returncode == 0, cut.stdout[-3000:] + cut.stderr[-3000:]
     assert json.loads(cut.stdout.strip().splitlines()[-1])["complete"] is False
     assert (split / "resume" / "progress.json").exists() and not (split / "train.json").exists()
+    # the steps measured so far are where the results are collected, should no call follow
+    so_far = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in so_far] == [1] and so_far[0]["elapsed_s"] > 0
     # the rest saves every 3 steps on the way (`--save-every`): the same run all the same
     again_split = [*command[:-1], str(split), "--save-every", "3"]
     rest = subprocess.run(again_split, capture_output=True, text=True, cwd=ROOT)
