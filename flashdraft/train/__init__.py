@@ -8,7 +8,8 @@ the LR schedule (`schedule`); where the target's features come from (`features`:
 target, or a target rank through the split placement's `server`); the parallel layer
 (`parallel`: torchrun, compile, DDP/FSDP2, placement, point-to-point channels); the memory
 `preflight`; resumable `checkpoint`s; `metrics`; the in-training eval (`held_out`); the
-`trainer` loop that ties them together;
-and `bench`, the timing behind `flashdraft bench`. May import `model`, `data`, `eval`
-(in-training evaluation), `export` and the base layer; never `commands`.
+rows of each step, the target running ahead over a group (`step_rows`); the `trainer` loop
+that ties them together; and `bench`, the timing behind `flashdraft bench`. May import
+`model`, `data`, `eval` (in-training evaluation), `export` and the base layer; never
+`commands`.
 """
