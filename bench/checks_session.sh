@@ -66,7 +66,7 @@ for stage in "$@"; do
     if [ "${HYBRID_TESTS:-1}" = 1 ]; then  # 12 passed on 2026-12-01 (~160 s): HYBRID_TESTS=0 skips
       step gpu_tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/model/test_hybrid.py \
         tests/data/test_fast_inference.py tests/eval/test_fast.py tests/train/test_loss.py \
-        tests/model/test_static.py
+        tests/model/test_static.py tests/model/test_static_kernels.py
     fi
     TAIL=40 step trainer_27b_hybrid "${BENCH_S:-300}" python3 bench/trainer.py \
       --geometry 27b-hybrid --compare-paths --rows "${ROWS:-8192,16384}" --warmup 2 --iters 6 \

@@ -61,8 +61,8 @@ MID="--hidden 2048 --intermediate 6144 --heads 16 --kv-heads 8 --head-dim 128 --
 
 case $stage in
 decode)
-  run gpu_tests 120 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
-    tests/data/test_fast_inference.py tests/eval/test_evaluate.py
+  run gpu_tests 120 $PYTEST tests/model/test_static.py tests/model/test_static_kernels.py \
+    tests/eval/test_fast.py tests/data/test_fast_inference.py tests/eval/test_evaluate.py
   # the issue's generate row: 256 slots, 128 new tokens, prompts of 32..512 tokens, compiled
   # decode parts, one graph per window, q/k/v and gate/up fused, the flash kernel over each
   # slot's own positions (varlen: one graph for every length; `generate`'s CUDA default since
@@ -121,11 +121,11 @@ tests)
   # the GPU tests of the decode stage and of the train stage, with the varlen target (GQA K/V
   # handed to the kernel as they are, 2026-12-03 s18) and the compiled label chunks
   # (needs .whl/fast carried: the tiny Qwen3's tokenizer and chitchat data)
-  run gpu_tests 300 $PYTEST tests/model/test_static.py tests/eval/test_fast.py \
-    tests/data/test_fast_inference.py tests/eval/test_evaluate.py tests/model/test_varlen.py \
-    tests/model/test_head.py tests/model/test_attention.py tests/model/test_drafter.py \
-    tests/train/test_parallel.py tests/train/test_features.py tests/train/test_loss.py \
-    tests/train/test_trainer.py
+  run gpu_tests 300 $PYTEST tests/model/test_static.py tests/model/test_static_kernels.py \
+    tests/eval/test_fast.py tests/data/test_fast_inference.py tests/eval/test_evaluate.py \
+    tests/model/test_varlen.py tests/model/test_head.py tests/model/test_attention.py \
+    tests/model/test_drafter.py tests/train/test_parallel.py tests/train/test_features.py \
+    tests/train/test_loss.py tests/train/test_trainer.py
   ;;
 ahead)
   # target.forward_rows (2026-12-04, s23): the shipped recipe's steps (one 8192-token row a
