@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +154,10 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--speculators-impl",
-        default="fused",
-        choices=["fused", "eager"],
-        help="their loss kernels; 'eager' where the fused Triton loss fails under torch.compile",
+        default="auto",
+        choices=["auto", "fused", "eager"],
+        help="their loss kernels: fused (their default: Triton), eager, or auto: fused, and the "
+        "same case again with eager where fused fails (on torch 2.11 it fails to compile)",
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -343,7 +344,7 @@ def print_report(result: dict[str, Any]) -> None:
                 "TFLOP/s": row.get("tflops", "-"),
                 "mfu": row.get("mfu", "-"),
                 "loss@0": round(row["first_step"]["loss"], 4) if "first_step" in row else "-",
-                "status": row.get("status", ""),
+                "status": row.get("status", "") + (" (fused loss failed)" * ("fused_loss" in row)),
             }
         )
     if result["peak_tflops"]:
@@ -374,6 +375,26 @@ def print_report(result: dict[str, Any]) -> None:
             print("\n".join(row.get("stderr_tail", "").splitlines()[-8:]))
 
 
+def spawn_in_time(case: Case, g: Geometry, args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    """One worker under --timeout, or a skipped row where --deadline leaves too little time."""
+    left = args.deadline - (time.perf_counter() - t0) - 20 if args.deadline else 1e9
+    if left < 60:  # too little time to start, compile and time a worker
+        base = {"framework": case.framework, "context": case.context, "anchors": case.anchors}
+        return {**base, "status": "skipped: --deadline reached"}
+    return spawn(case, g, min(args.timeout, left))
+
+
+def fused_loss_failed(row: dict[str, Any]) -> bool:
+    """speculators' fused-loss row failed in a way its eager loss may not: an error or a crash,
+    not out of memory (eager needs more), a timeout or a skip."""
+    status = row.get("status", "")
+    return (
+        row["framework"] == "speculators"
+        and status != "ok"
+        and not status.startswith(("out of memory", "timed out", "skipped"))
+    )
+
+
 def run_all(args: argparse.Namespace, g: Geometry) -> list[dict[str, Any]]:
     frameworks = [f for f in args.frameworks.split(",") if f]
     unknown = sorted(set(frameworks) - set(FRAMEWORKS))
@@ -384,6 +405,7 @@ def run_all(args: argparse.Namespace, g: Geometry) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     for i, (context, anchors) in enumerate(sizes):
         for framework in frameworks:
+            auto = args.speculators_impl == "auto"
             case = Case(
                 framework=framework,
                 context=context,
@@ -392,15 +414,14 @@ def run_all(args: argparse.Namespace, g: Geometry) -> list[dict[str, Any]]:
                 warmup=args.warmup,
                 iters=args.iters,
                 speculators_loss=args.speculators_loss,
-                speculators_impl=args.speculators_impl,
+                speculators_impl="fused" if auto else args.speculators_impl,
             )
-            timeout: float = args.timeout
-            left = args.deadline - (time.perf_counter() - t0) - 20 if args.deadline else 1e9
-            if left < 60:  # too little time to start, compile and time a worker
-                row = {"framework": framework, "context": context, "anchors": anchors}
-                row["status"] = "skipped: --deadline reached"
-            else:
-                row = spawn(case, g, min(timeout, left))
+            row = spawn_in_time(case, g, args, t0)
+            if auto and fused_loss_failed(row):  # the same case with their eager loss
+                first = row["status"]
+                row = spawn_in_time(replace(case, speculators_impl="eager"), g, args, t0)
+                row["fused_loss"] = first
+                row.setdefault("notes", []).append(f"eager loss; their fused loss: {first}")
             rows.append(row)
             ms = row.get("timing", {}).get("median_ms", "-")
             print(

@@ -253,6 +253,7 @@ def run_speculators(case: Case, g: Geometry, device: torch.device) -> dict[str, 
 
     out["timing"] = timed(step, device, case)
     out["first_step"] = first[0]
+    out["loss_implementation"] = impl
     out["notes"] = [
         f"loss_fn={case.speculators_loss!r} ({impl}), gamma={g.gamma}; "
         "speculators' own defaults are kl_div and gamma 4",

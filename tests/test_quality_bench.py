@@ -279,19 +279,23 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
-    # s29's (the peer given flashdraft's anchors) and s31's (the peer at its own, 512)
-    s29, s31 = [argv for argv in lines if argv[0] == "pairs"]
+    # s29's (the peer given flashdraft's anchors) and s33's (the peer at its own 512, two seeds)
+    s29, s33 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
-    stage, config, _ = quality.parse(s31)
-    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s31"))
+    stage, config, _ = quality.parse(s33)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s33"))
     assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "peer2048"]
-    md = next((tmp_path / "s31").glob("quality_*_pairs.md")).read_text()
-    assert "| recipe | 6.869 (2) | 0.983 [0.95-1.01] | 2.922 (2) | 1.060 [1.03-1.10] |" in md
-    assert "| peer2048 | 7.205 (2) | 1.031 [1.01-1.06] | 3.044 (2) | 1.104 [1.08-1.13] |" in md
+    md = next((tmp_path / "s33").glob("quality_*_pairs.md")).read_text()
+    assert (
+        "| recipe | 6.869 (2) | 0.996 [0.97-1.02] | 2.922 (2) | 1.069 [1.04-1.10] "
+        "| 3.682 (2) | 1.053 [1.03-1.08] |"
+    ) in md
+    assert "| peer2048 | 7.205 (2) | 1.045 [1.02-1.07] | 3.044 (2) | 1.114 [1.09-1.14] |" in md
     loops = md.split("Over the text before")[1].split("At T = 1")[0]
-    assert "| recipe | 2.504 (2) | 1.032 [1.00-1.08] |" in loops
+    assert "| recipe | 2.504 (2) | 1.051 [1.02-1.09] |" in loops
+    assert "| recipe | 1.585 (2) | 1.097 [1.07-1.13] |" in md  # T = 1
     by_run = md.split("Run by run:")[1]
-    assert "| recipe | 0.977-0.989 (2) | 1.048-1.072 (2) | — |" in by_run
+    assert "| recipe | 0.977-1.015 (4) | 1.048-1.091 (4) | 1.046-1.061 (2) |" in by_run
     stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
     assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]
