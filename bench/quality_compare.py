@@ -12,7 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from quality_report import KIND_NAMES, collect, read_metrics  # beside this script
+from quality_positions import position_tables  # beside this script
+from quality_report import KIND_NAMES, collect, read_metrics
 
 from flashdraft.data.loops import loop_start
 from flashdraft.data.sources import KINDS
@@ -240,7 +241,8 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
     `recipes`: name -> eval folders (KIND.json, KIND_t1.json); a recipe pools, per kind,
     the runs that evaluated it ("(n)": how many). Where a side has several runs, a last
     table gives each run over each baseline run, lowest and highest: the seeds' own spread,
-    which the pooled intervals do not cover."""
+    which the pooled intervals do not cover; then, per kind with loops, each recipe's reach
+    per draft position before the loops and in them (`quality_positions`)."""
 
     def read(path: Path) -> dict[str, Any]:
         try:
@@ -320,6 +322,7 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
         + table("At T = 1 (rejection sampling):", "_t1", False)
         + run_by_run("")
         + run_by_run("_t1")
+        + position_tables({k: {n: loaded[n, k] for n in recipes} for k in KINDS})
     )
 
 

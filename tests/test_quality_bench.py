@@ -296,6 +296,10 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| recipe | 1.585 (2) | 1.097 [1.07-1.13] |" in md  # T = 1
     by_run = md.split("Run by run:")[1]
     assert "| recipe | 0.977-1.015 (4) | 1.048-1.091 (4) | 1.046-1.061 (2) |" in by_run
+    chat_positions = md.split("chat, T = 0, per draft position")[1].split("\n\n")[1]
+    assert "| recipe | from the loop on | 725 | 11.288 | 0.92 |" in chat_positions
+    assert "| 0.58 | 0.57 | 0.55 |\n| peer2048 |" in chat_positions
+    assert "| peer | from the loop on | 682 | 12.001 |" in chat_positions
     stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
     assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]

@@ -444,3 +444,51 @@ def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
     _, config, _ = quality.parse([*argv, "--runs", "gone"])
     with pytest.raises(FileNotFoundError, match="no metrics for run 'gone'"):
         quality.run("curves", config, [])
+
+
+def test_pairs_splits_each_recipes_reach_per_draft_position_at_the_loops(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """`pairs` ends with, per kind where some output ends in a repetition loop, each
+    recipe's steps split at its outputs' loops (the steps whose tokens all come before the
+    loop, and the rest) and the share of them reaching each draft position: where a gap
+    lies. A kind without loops gets no table."""
+
+    def write(folder: Path, kind: str, ids: list[int], lengths: list[int]) -> None:
+        assert sum(lengths) == len(ids) - 1  # the prefill emits the first token
+        folder.mkdir(parents=True, exist_ok=True)
+        prompt = {"id": "p0", "source": "s0", "acceptance_lengths": lengths, "output_ids": ids}
+        report = {"tau": sum(lengths) / len(lengths), "per_prompt": [prompt]}
+        report["settings"] = {"block_size": 16}
+        (folder / f"{kind}.json").write_text(json.dumps(report))
+
+    looping = list(range(100, 110)) + [7, 8] * 65  # 10 tokens, then a loop from index 10
+    straight = list(range(100, 240))  # 140 tokens, no loop
+    a, p = tmp_path / "a", tmp_path / "p"
+    write(a, "chat", looping, [3, 3, 3] + [10] * 13)  # 9 tokens before the loop, 130 in it
+    write(p, "chat", looping, [5, 4] + [13] * 10)  # 9 before, 130 in
+    write(a, "code", straight, [3] * 46 + [1])
+    write(p, "code", straight, [3] * 46 + [1])
+    bench = tmp_path / "bench"
+    _, config, _ = quality.parse(
+        ["pairs", "--runs", f"a={a}", "--peer", str(p), "--bench-dir", str(bench)]
+    )
+    quality.run("pairs", config, [])
+    md = next(bench.glob("quality_*_pairs.md")).read_text()
+    tables = md.split("per draft position")
+    assert len(tables) == 2 and "chat, T = 0" in tables[0].splitlines()[-1]  # code: no loop
+    rows = {
+        tuple(c.strip() for c in line.split("|")[1:3]): line
+        for line in tables[1].splitlines()
+        if line.startswith("| a") or line.startswith("| peer")
+    }
+    reached = "1.00 | " * 9 + "0.00 | " * 6  # 10 tokens a step: positions 1-9 drafted
+    assert rows["a", "from the loop on"].endswith("| 13 | 10.000 | " + reached.rstrip(" "))
+    assert rows["a", "before the loop"].endswith(
+        "| 3 | 3.000 | 1.00 | 1.00 | " + "0.00 | " * 12 + "0.00 |"
+    )
+    # the peer's before-loop steps: 5 reaches 1-4, 4 reaches 1-3
+    assert rows["peer", "before the loop"].endswith(
+        "| 2 | 4.500 | 1.00 | 1.00 | 1.00 | 0.50 | " + "0.00 | " * 10 + "0.00 |"
+    )
+    assert rows["peer", "from the loop on"].split("|")[3:5] == [" 10 ", " 13.000 "]
