@@ -58,10 +58,11 @@ def position_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     tau and the share of steps reaching each draft position."""
     out = []
     for kind, recipes in runs.items():
-        split = {name: segments(reports) for name, reports in recipes.items() if reports}
-        split = {name: s for name, s in split.items() if s is not None}
+        every = {name: segments(reports) for name, reports in recipes.items() if reports}
+        split = {name: s for name, s in every.items() if s is not None}
         if not any(s[SEGMENTS[1]] for s in split.values()):
             continue
+        missing = [name for name, s in every.items() if s is None]
         positions = max(
             max(r.get("settings", {}).get("block_size", 16) for r in recipes[name]) - 1
             for name in split
@@ -80,5 +81,7 @@ def position_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             f"{KIND_NAMES[kind]}, T = 0, per draft position: the share of verify steps whose "
             "draft reaches it, before each output's repetition loop and from it on (runs pooled):"
         )
+        if missing:  # reports written before the eval kept each prompt's output ids
+            lines.append(f"\n(left out, no per-prompt outputs: {', '.join(missing)})")
         out.append(f"\n{title}\n\n" + "\n".join(lines) + "\n")
     return "".join(out)

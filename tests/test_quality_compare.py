@@ -492,3 +492,14 @@ def test_pairs_splits_each_recipes_reach_per_draft_position_at_the_loops(
         "| 2 | 4.500 | 1.00 | 1.00 | 1.00 | 0.50 | " + "0.00 | " * 10 + "0.00 |"
     )
     assert rows["peer", "from the loop on"].split("|")[3:5] == [" 10 ", " 13.000 "]
+    # a recipe whose reports predate the kept output ids is named, not dropped silently
+    old = tmp_path / "old"
+    write(old, "chat", looping, [3, 3, 3] + [10] * 13)
+    report = json.loads((old / "chat.json").read_text())
+    del report["per_prompt"][0]["output_ids"]
+    (old / "chat.json").write_text(json.dumps(report))
+    argv = ["pairs", "--runs", f"a={a}", f"old={old}", "--peer", str(p)]
+    _, config, _ = quality.parse([*argv, "--bench-dir", str(tmp_path / "b2")])
+    quality.run("pairs", config, [])
+    md = next((tmp_path / "b2").glob("quality_*_pairs.md")).read_text()
+    assert "(left out, no per-prompt outputs: old)" in md.split("per draft position")[1]
