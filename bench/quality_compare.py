@@ -12,13 +12,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from quality_positions import position_tables  # beside this script
+from quality_positions import position_tables, split_at_loop  # beside this script
 from quality_report import KIND_NAMES, collect, read_metrics
 
 from flashdraft.data.loops import loop_start
 from flashdraft.data.sources import KINDS
-from flashdraft.eval.report import steps_before
-from flashdraft.eval.speculative import DecodeResult
 from flashdraft.train.config import as_recorded_now, flatten
 
 # Run-config keys that say where and how often, not what is trained: left out of the diff.
@@ -148,16 +146,12 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     prompts = (report or {}).get("per_prompt") or []
     if not prompts or any("output_ids" not in p for p in prompts):
         return None
-    starts = [loop_start(p["output_ids"]) for p in prompts]
-    kept = [
-        {**p, "acceptance_lengths": steps_before(_result(p), start)}
-        for p, start in zip(prompts, starts, strict=True)
-    ]
+    kept = [{**p, "acceptance_lengths": split_at_loop(p)[0]} for p in prompts]
     steps = sum(len(p["acceptance_lengths"]) for p in kept)
     if not steps:
         return None
     tau = sum(sum(p["acceptance_lengths"]) for p in kept) / steps
-    loops = sum(start is not None for start in starts)
+    loops = sum(loop_start(p["output_ids"]) is not None for p in prompts)
     return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
 
 
@@ -324,11 +318,6 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
         + run_by_run("_t1")
         + position_tables({k: {n: loaded[n, k] for n in recipes} for k in KINDS})
     )
-
-
-def _result(prompt: dict[str, Any]) -> DecodeResult:
-    """The part of a report's per-prompt entry that `steps_before` reads."""
-    return DecodeResult(prompt["output_ids"], prompt["acceptance_lengths"], 0, 0.0, 0.0, False)
 
 
 def render_compare(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
