@@ -141,44 +141,72 @@ def test_the_readmes_peers_lines_parse(monkeypatch: pytest.MonkeyPatch) -> None:
         assert args.merge or args.sizes
 
 
-def test_the_peers_bench_times_speculators_eager_where_its_fused_loss_fails(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`--speculators-impl auto` (the default): speculators' fused loss first; where it fails
-    (on torch 2.11 it does not compile) the same case again with the eager loss, the row
-    saying why. Out of memory, a timeout or another framework's failure is not retried, and
-    `fused` alone is never retried."""
+def _peers_run(monkeypatch: pytest.MonkeyPatch, statuses: dict, *flags: str) -> tuple:
+    """bench/peers.py's `run_all` over two sizes (A = 8, then 4) of flashdraft and
+    speculators, each worker stood in by `statuses[(framework, impl, A)]` ("ok" where
+    absent): the workers asked for, in order, and the rows."""
     peers = bench_modules("peers")["peers"]
     calls = []
 
     def fake_spawn(case, g, timeout):
-        calls.append((case.framework, case.anchors, case.speculators_impl))
+        key = (case.framework, case.speculators_impl, case.anchors)
+        calls.append(key)
         row = {"framework": case.framework, "context": case.context, "anchors": case.anchors}
-        if case.framework == "speculators" and case.speculators_impl == "fused":
-            status = "failed: AssertionError: ListVariable" if case.anchors == 8 else "timed out"
-            return {**row, "status": status}
-        return {**row, "status": "ok", "timing": {"median_ms": 1.0}}
+        status = statuses.get(key, "ok")
+        return {**row, "status": status, "stderr_tail": f"trace of {key}", "notes": ["n"]}
 
     monkeypatch.setattr(peers, "spawn", fake_spawn)
-    sizes = ["--sizes", "64:8,64:4", "--frameworks", "flashdraft,speculators"]
-    monkeypatch.setattr(sys, "argv", ["bench/peers.py", *sizes])
+    argv = ["--sizes", "64:8,64:4", "--frameworks", "flashdraft,speculators", *flags]
+    monkeypatch.setattr(sys, "argv", ["bench/peers.py", *argv])
     args = peers.parse()
-    rows = peers.run_all(args, peers.geometry(args))
+    return calls, peers.run_all(args, peers.geometry(args))
+
+
+def test_the_peers_bench_times_speculators_eager_once_its_fused_loss_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--speculators-impl auto` (the default): speculators' fused loss first; where it fails
+    (on torch 2.11 it does not compile) the same case again with the eager loss, and eager
+    for every later case; each such row keeps the fused failure, its traceback and a note.
+    `fused` alone is never retried."""
+    failed = {("speculators", "fused", 8): "failed: AssertionError: ListVariable"}
+    calls, rows = _peers_run(monkeypatch, failed)
     assert calls == [
-        ("flashdraft", 8, "fused"),
-        ("speculators", 8, "fused"),
-        ("speculators", 8, "eager"),
-        ("flashdraft", 4, "fused"),
-        ("speculators", 4, "fused"),
+        ("flashdraft", "fused", 8),
+        ("speculators", "fused", 8),
+        ("speculators", "eager", 8),
+        ("flashdraft", "fused", 4),
+        ("speculators", "eager", 4),  # no second try of a loss that failed to compile
     ]
-    assert rows[1]["status"] == "ok" and rows[1]["fused_loss"].startswith("failed: Assertion")
-    assert "fused loss" in rows[1]["notes"][-1]
-    assert rows[3]["status"] == "timed out" and "fused_loss" not in rows[3]
-    calls.clear()
-    monkeypatch.setattr(sys, "argv", ["bench/peers.py", *sizes, "--speculators-impl", "fused"])
-    args = peers.parse()
-    rows = peers.run_all(args, peers.geometry(args))
-    assert ("speculators", 8, "eager") not in calls and rows[1]["status"].startswith("failed")
+    for row in (rows[1], rows[3]):
+        assert row["status"] == "ok" and row["fused_loss"].startswith("failed: Assertion")
+        assert "(T=64 A=8)" in row["fused_loss"] and "fused loss" in row["notes"][-1]
+    assert rows[1]["fused_stderr_tail"] == "trace of ('speculators', 'fused', 8)"
+    assert "fused_loss" not in rows[0] and "fused_loss" not in rows[2]
+    calls, rows = _peers_run(monkeypatch, failed, "--speculators-impl", "fused")
+    assert ("speculators", "eager", 8) not in calls and rows[1]["status"].startswith("failed")
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        "out of memory: CUDA out of memory",  # eager needs more memory than fused
+        "out of memory (worker exited with -9)",
+        "timed out after 150 s",
+        "skipped: --deadline reached",
+    ],
+)
+def test_the_peers_bench_does_not_retry_what_eager_would_not_mend(
+    monkeypatch: pytest.MonkeyPatch, status: str
+) -> None:
+    """Out of memory, a timeout or a skip of speculators' fused loss is its row, not retried;
+    a failure of another framework is never a reason to retry speculators."""
+    calls, rows = _peers_run(monkeypatch, {("speculators", "fused", 8): status})
+    assert ("speculators", "eager", 8) not in calls and rows[1]["status"] == status
+    assert "fused_loss" not in rows[1]
+    other = {("flashdraft", "fused", 8): "failed: RuntimeError: boom"}
+    calls, rows = _peers_run(monkeypatch, other)
+    assert all(impl == "fused" for _, impl, _ in calls) and "fused_loss" not in rows[1]
 
 
 @pytest.mark.slow
