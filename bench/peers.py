@@ -344,7 +344,8 @@ def print_report(result: dict[str, Any]) -> None:
                 "TFLOP/s": row.get("tflops", "-"),
                 "mfu": row.get("mfu", "-"),
                 "loss@0": round(row["first_step"]["loss"], 4) if "first_step" in row else "-",
-                "status": row.get("status", "") + (" (fused loss failed)" * ("fused_loss" in row)),
+                "status": row.get("status", "")
+                + (" (fused loss failed)" if "fused_loss" in row else ""),
             }
         )
     if result["peak_tflops"]:

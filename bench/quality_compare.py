@@ -15,7 +15,6 @@ from typing import Any
 from quality_positions import position_tables, split_at_loop  # beside this script
 from quality_report import KIND_NAMES, collect, read_metrics
 
-from flashdraft.data.loops import loop_start
 from flashdraft.data.sources import KINDS
 from flashdraft.train.config import as_recorded_now, flatten
 
@@ -146,12 +145,15 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     prompts = (report or {}).get("per_prompt") or []
     if not prompts or any("output_ids" not in p for p in prompts):
         return None
-    kept = [{**p, "acceptance_lengths": split_at_loop(p)[0]} for p in prompts]
+    splits = [split_at_loop(p) for p in prompts]
+    kept = [
+        {**p, "acceptance_lengths": before} for p, (before, _) in zip(prompts, splits, strict=True)
+    ]
     steps = sum(len(p["acceptance_lengths"]) for p in kept)
     if not steps:
         return None
     tau = sum(sum(p["acceptance_lengths"]) for p in kept) / steps
-    loops = sum(loop_start(p["output_ids"]) is not None for p in prompts)
+    loops = sum(bool(rest) for _, rest in splits)  # a loop's 128+ tokens take steps
     return {"tau": tau, "per_prompt": kept, "loop_prompts": loops}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from quality_report import KIND_NAMES  # beside this script
 
 from flashdraft.data.loops import loop_start
-from flashdraft.eval.report import steps_before
+from flashdraft.eval.report import steps_before, summarize
 from flashdraft.eval.speculative import DecodeResult
 
 SEGMENTS = ("before the loop", "from the loop on")
@@ -31,12 +31,6 @@ def split_at_loop(prompt: dict[str, Any]) -> tuple[list[int], list[int]]:
     result = DecodeResult(prompt["output_ids"], lengths, 0, 0.0, 0.0, False)
     before = steps_before(result, loop_start(prompt["output_ids"]))
     return before, lengths[len(before) :]
-
-
-def reach(lengths: list[int], positions: int) -> list[float]:
-    """For k = 1 .. positions, the share of steps whose accepted draft reaches position k
-    (an acceptance length counts the target's own token, so it reaches k when > k)."""
-    return [sum(n > k for n in lengths) / len(lengths) for k in range(1, positions + 1)]
 
 
 def segments(reports: list[dict[str, Any]]) -> dict[str, list[int]] | None:
@@ -64,19 +58,19 @@ def position_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         if not any(s[SEGMENTS[1]] for s in split.values()):
             continue
         missing = [name for name, s in every.items() if s is None]
-        positions = max(
-            max((r.get("settings") or {}).get("block_size", 16) for r in recipes[name]) - 1
-            for name in split
+        block = max(
+            (r.get("settings") or {}).get("block_size", 16) for name in split for r in recipes[name]
         )
-        head = ["run", "text", "steps", "tau", *(str(k) for k in range(1, positions + 1))]
+        head = ["run", "text", "steps", "tau", *(str(k) for k in range(1, block))]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name, parts in split.items():
             for segment, lengths in parts.items():
                 if not lengths:
                     continue
-                tau = sum(lengths) / len(lengths)
-                shares = [f"{x:.2f}" for x in reach(lengths, positions)]
-                cells = [name, segment, str(len(lengths)), f"{tau:.3f}", *shares]
+                # the eval's own statistics of these steps: tau and per_position_acceptance
+                stats = summarize([DecodeResult([], lengths, 0, 0.0, 0.0, False)], block)
+                shares = [f"{x:.2f}" for x in stats["per_position_acceptance"]]
+                cells = [name, segment, str(len(lengths)), f"{stats['tau']:.3f}", *shares]
                 lines.append("| " + " | ".join(cells) + " |")
         title = (
             f"{KIND_NAMES[kind]}, T = 0, per draft position: the share of verify steps whose "
