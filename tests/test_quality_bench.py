@@ -279,26 +279,36 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
-    # s29's (the peer given flashdraft's anchors) and s33's (the peer at its own 512, two seeds)
-    s29, s33 = [argv for argv in lines if argv[0] == "pairs"]
+    # s29's (the peer given flashdraft's anchors) and s34's (the peer at its own 512, two
+    # seeds, with s33's preset rows and s34's `dpm`)
+    s29, s34 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
-    stage, config, _ = quality.parse(s33)
-    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s33"))
-    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "peer2048"]
-    md = next((tmp_path / "s33").glob("quality_*_pairs.md")).read_text()
+    stage, config, _ = quality.parse(s34)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s34"))
+    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "dpm", "peer2048"]
+    md = next((tmp_path / "s34").glob("quality_*_pairs.md")).read_text()
     assert (
         "| recipe | 6.869 (2) | 0.996 [0.97-1.02] | 2.922 (2) | 1.069 [1.04-1.10] "
         "| 3.682 (2) | 1.053 [1.03-1.08] |"
     ) in md
+    assert (
+        "| dpm | 7.159 (2) | 1.038 [1.01-1.06] | 3.040 (2) | 1.112 [1.09-1.13] "
+        "| 3.874 (2) | 1.108 [1.09-1.13] |"
+    ) in md
     assert "| peer2048 | 7.205 (2) | 1.045 [1.02-1.07] | 3.044 (2) | 1.114 [1.09-1.14] |" in md
     loops = md.split("Over the text before")[1].split("At T = 1")[0]
     assert "| recipe | 2.504 (2) | 1.051 [1.02-1.09] |" in loops
+    assert "| dpm | 2.537 (2) | 1.065 [1.03-1.10] |" in loops
     assert "| recipe | 1.585 (2) | 1.097 [1.07-1.13] |" in md  # T = 1
+    assert "| dpm | 1.554 (2) | 1.076 [1.06-1.10] |" in md
     by_run = md.split("Run by run:")[1]
     assert "| recipe | 0.977-1.015 (4) | 1.048-1.091 (4) | 1.046-1.061 (2) |" in by_run
+    assert "| dpm | 1.014-1.062 (4) | 1.084-1.141 (4) | 1.106-1.111 (2) |" in by_run
     chat_positions = md.split("chat, T = 0, per draft position")[1].split("\n\n")[1]
     assert "| recipe | from the loop on | 725 | 11.288 | 0.92 |" in chat_positions
-    assert "| 0.58 | 0.57 | 0.55 |\n| peer2048 |" in chat_positions
+    assert "| 0.58 | 0.57 | 0.55 |\n| dpm |" in chat_positions  # the preset: 0.55 at 15
+    assert "| dpm | from the loop on | 676 | 12.108 | 0.93 |" in chat_positions
+    assert "| 0.68 | 0.67 | 0.65 |\n| peer2048 |" in chat_positions  # `dpm`: 0.65 at 15
     assert "| peer | from the loop on | 682 | 12.001 |" in chat_positions
     stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
