@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peers_inputs import SEED, Case, Geometry, drafter_config  # beside this script
+from peers_inputs import SEED, Case, Geometry, drafter_config, phase, phases_of  # beside it
 from peers_steps import run_flashdraft, run_specforge, run_speculators
 
 FRAMEWORKS = ("flashdraft", "speculators", "specforge")
@@ -79,6 +79,8 @@ def worker(case: Case, g: Geometry) -> int:
     run = {"flashdraft": run_flashdraft, "speculators": run_speculators, "specforge": run_specforge}
     t0 = time.perf_counter()
     import transformers
+
+    phase("imported")  # then the framework builds its drafter (and the parity pass runs)
 
     result: dict[str, Any] = {
         "framework": case.framework,
@@ -197,8 +199,17 @@ def geometry(args: argparse.Namespace) -> Geometry:
     )
 
 
+def timeout_status(timeout: float, phases: dict[str, float]) -> str:
+    """'timed out after N s', then how far the worker got (its last phase, or none)."""
+    if not phases:
+        return f"timed out after {timeout:.0f} s (before its step was set up)"
+    last = list(phases)[-1]
+    return f"timed out after {timeout:.0f} s (last: {last} at {phases[last]:.1f} s)"
+
+
 def spawn(case: Case, g: Geometry, timeout: float) -> dict[str, Any]:
-    """Run one worker; a crash, a timeout or a missing result becomes a status, not an error."""
+    """Run one worker; a crash, a timeout or a missing result becomes a status, not an error.
+    Every row keeps the phases the worker marked (`phases`: name -> seconds since it began)."""
     repo = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)
@@ -216,7 +227,10 @@ def spawn(case: Case, g: Geometry, timeout: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
-        return {**base, "status": f"timed out after {timeout:.0f} s", "stderr_tail": stderr[-2000:]}
+        phases = phases_of(stderr)
+        status = timeout_status(timeout, phases)
+        return {**base, "status": status, "phases": phases, "stderr_tail": stderr[-2000:]}
+    base["phases"] = phases_of(stderr)
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_TAG):
             result = json.loads(line[len(RESULT_TAG) :])
@@ -432,9 +446,11 @@ def run_all(args: argparse.Namespace, g: Geometry) -> list[dict[str, Any]]:
                 row.setdefault("notes", []).append(f"eager loss; their fused loss: {fused_failed}")
             rows.append(row)
             ms = row.get("timing", {}).get("median_ms", "-")
+            first = row.get("phases", {}).get("first step done", "-")  # a cold compile's end
             print(
                 f"[{time.perf_counter() - t0:5.0f} s] {framework} T={context} A={anchors}: "
-                f"{row['status']} (step {ms} ms, worker {row.get('wall_s', '-')} s)",
+                f"{row['status']} (step {ms} ms, first step done at {first} s, "
+                f"worker {row.get('wall_s', '-')} s)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,11 +1,14 @@
 """The inputs `bench/peers.py`'s workers rebuild identically, whichever framework they run:
 the geometry and the case (`Geometry`, `Case`), one packed row of seeded target features and
 labels (`make_row`), the drafter's seeded weights by serving-format name (`seeded_weights`,
-`load_drafter_weights`), and the timing of a step (`timed`). Only flashdraft and torch are
-imported here; each framework's step is in `peers_steps.py`."""
+`load_drafter_weights`), and the timing of a step (`timed`), which marks its phases on stderr
+(`phase`) so that a worker stopped by its timeout still says how far it got. Only flashdraft
+and torch are imported here; each framework's step is in `peers_steps.py`."""
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +17,26 @@ import torch
 from torch import Tensor, nn
 
 SEED = 1234
+PHASE_TAG = "PEERS_PHASE "  # stderr lines "PEERS_PHASE <name> <seconds since the worker began>"
+_BEGAN = time.perf_counter()  # this module is imported as the worker starts
+
+
+def phase(name: str) -> None:
+    """Say on stderr that the worker reached `name` (read by the parent, even after a kill)."""
+    print(f"{PHASE_TAG}{name} {time.perf_counter() - _BEGAN:.1f}", file=sys.stderr, flush=True)
+
+
+def phases_of(stderr: str) -> dict[str, float]:
+    """The phases a worker marked, in order: name -> seconds since it began."""
+    out: dict[str, float] = {}
+    for line in stderr.splitlines():
+        name, _, seconds = line.removeprefix(PHASE_TAG).rpartition(" ")
+        if line.startswith(PHASE_TAG) and name:
+            try:
+                out[name] = float(seconds)
+            except ValueError:  # a line cut by the kill
+                continue
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,9 +190,22 @@ def load_drafter_weights(module: nn.Module, weights: dict[str, Tensor]) -> None:
 
 
 def timed(step: Callable[[], None], device: torch.device, case: Case) -> dict[str, Any]:
-    from flashdraft.benchutil import measure
+    """`measure` of `step`, the phases marked: set up (the step about to run), its first call
+    done (with a cold compile, most of a worker's time on a GPU), the warmup done."""
+    from flashdraft.benchutil import measure, sync
 
-    timing = measure(step, device, case.warmup, case.iters)
+    calls = 0
+
+    def marked() -> None:
+        nonlocal calls
+        step()
+        calls += 1
+        if calls == 1 or calls == case.warmup:  # untimed calls: the sync costs nothing timed
+            sync(device)
+            phase("first step done" if calls == 1 else "warmup done")
+
+    phase("set up")
+    timing = measure(marked if case.warmup else step, device, case.warmup, case.iters)
     out: dict[str, Any] = timing.as_dict()
     if device.type == "cuda":
         out["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)

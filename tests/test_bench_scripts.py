@@ -10,6 +10,7 @@ import json
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,45 @@ def test_the_peers_bench_does_not_retry_what_eager_would_not_mend(
     other = {("flashdraft", "fused", 8): "failed: RuntimeError: boom"}
     calls, rows = _peers_run(monkeypatch, other)
     assert all(impl == "fused" for _, impl, _ in calls) and "fused_loss" not in rows[1]
+
+
+def test_a_peers_worker_stopped_by_its_timeout_says_how_far_it_got(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker killed at `--timeout` leaves on stderr the phases it marked: the row's status
+    names the last one (a cold compile shows as "set up" without "first step done"), and
+    `phases` keeps them all; a worker that marked none says so; a mark cut by the kill is
+    skipped. `timed` marks the set-up, the first step and the end of the warmup."""
+    modules = bench_modules("peers", "peers_inputs")
+    peers, inputs = modules["peers"], modules["peers_inputs"]
+    tag = inputs.PHASE_TAG
+    worker = (
+        "import sys, time\n"
+        f"print({tag + 'imported 0.4'!r}, file=sys.stderr, flush=True)\n"
+        f"print({tag + 'set up 2.5'!r}, file=sys.stderr, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    popen = subprocess.Popen
+
+    def stand_in(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        assert cmd[2:4] == ["--worker", "speculators"]
+        return popen([sys.executable, "-c", worker], **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(peers.subprocess, "Popen", stand_in)
+    case = inputs.Case("speculators", 64, 8, 0, 1, 1, "ce", "eager")
+    g = inputs.Geometry(64, 4, 2, 16, 128, 2, 256, 2, 4, 4, 7.0, 255)
+    row = peers.spawn(case, g, timeout=4)
+    assert row["status"] == "timed out after 4 s (last: set up at 2.5 s)"
+    assert row["phases"] == {"imported": 0.4, "set up": 2.5}
+    assert peers.timeout_status(150, {}) == "timed out after 150 s (before its step was set up)"
+    cut = f"{tag}first step done 95.1\nother output\n{tag}warmup d"
+    assert inputs.phases_of(cut) == {"first step done": 95.1}
+
+    steps = []
+    timing = inputs.timed(lambda: steps.append(1), torch.device("cpu"), replace(case, warmup=2))
+    marks = inputs.phases_of(capsys.readouterr().err)
+    assert list(marks) == ["set up", "first step done", "warmup done"] and len(steps) == 3
+    assert timing["median_ms"] >= 0
 
 
 @pytest.mark.slow
