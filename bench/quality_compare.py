@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from quality_positions import position_tables, split_at_loop  # beside this script
+from quality_positions import copy_tables, position_tables, split_at_loop  # beside it
 from quality_report import KIND_NAMES, collect, read_metrics
 
 from flashdraft.data.sources import KINDS
@@ -319,6 +319,7 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
         + run_by_run("")
         + run_by_run("_t1")
         + position_tables({k: {n: loaded[n, k] for n in recipes} for k in KINDS})
+        + copy_tables({k: {n: loaded[n, k] for n in recipes} for k in KINDS})
     )
 
 

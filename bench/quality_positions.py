@@ -8,6 +8,13 @@ chat's tau mostly measures how deep a drafter copies a loop, while the text befo
 measures drafting proper. Splitting the two, position by position, says which of them a
 recipe gains or loses (s33: flashdraft's preset led the peer before the loops; inside them
 its deficit opened at position 6 and grew to 0.09 of the steps at position 15).
+
+Inside a loop, the steps from its third period on draft text said twice already: pure
+copying, where a drafter should accept the whole block. `copy_tables` counts how often each
+recipe does, by the loop's period, and names the loop it misses most (s34: the preset
+accepted the whole block in 0.81 of those steps, `dpm` and the peer 0.94-0.98; most of the
+preset's misses were one loop of period 23 whose sentence holds " that" twice, with two
+different continuations).
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from typing import Any
 
 from quality_report import KIND_NAMES  # beside this script
 
-from flashdraft.data.loops import loop_start
+from flashdraft.data.loops import find_loop, loop_start
 from flashdraft.eval.report import steps_before, summarize
 from flashdraft.eval.speculative import DecodeResult
 
 SEGMENTS = ("before the loop", "from the loop on")
+PERIODS = ((1, 4), (5, 12), (13, 32))  # the copy table's period columns, in tokens
 
 
 def split_at_loop(prompt: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -78,5 +86,72 @@ def position_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         )
         if missing:  # reports written before the eval kept each prompt's output ids
             lines.append(f"\n(left out, no per-prompt outputs: {', '.join(missing)})")
+        out.append(f"\n{title}\n\n" + "\n".join(lines) + "\n")
+    return "".join(out)
+
+
+def copying_steps(prompt: dict[str, Any]) -> tuple[int, list[int]] | None:
+    """(period, acceptance lengths) of the verify steps that start in the third period of
+    the loop the output ends in or later (the loop said twice already: drafting it is
+    copying), the output's last step left out (max_new_tokens cuts it); None without a loop."""
+    found = find_loop(prompt["output_ids"])
+    if found is None:
+        return None
+    start, period = found
+    lengths = list(prompt["acceptance_lengths"])
+    kept, first = [], 1  # the output index of each step's first token (the prefill emits 0)
+    for n in lengths[:-1]:
+        if first >= start + 2 * period:
+            kept.append(n)
+        first += n
+    return period, kept
+
+
+def copy_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """`runs` as for `position_tables`. Per kind with loops, a row per recipe: its steps
+    inside established loops (`copying_steps`), the share accepting the whole block, that
+    share by the loop's period, and the loop with the most misses (runs pooled)."""
+    out = []
+    for kind, recipes in runs.items():
+        rows = []
+        for name, reports in recipes.items():
+            prompts = [p for r in reports for p in r.get("per_prompt") or []]
+            if not prompts or any("output_ids" not in p for p in prompts):
+                continue  # named by position_tables' note
+            block = max((r.get("settings") or {}).get("block_size", 16) for r in reports)
+            by_period = {bucket: [0, 0] for bucket in PERIODS}  # whole blocks, steps
+            by_loop: dict[tuple[str, int], list[int]] = {}
+            for prompt in prompts:
+                found = copying_steps(prompt)
+                if found is None or not found[1]:
+                    continue
+                period, lengths = found
+                whole = sum(n >= block for n in lengths)
+                bucket = next(b for b in PERIODS if b[0] <= period <= b[1])
+                by_period[bucket][0] += whole
+                by_period[bucket][1] += len(lengths)
+                tally = by_loop.setdefault((str(prompt["id"]), period), [0, 0])
+                tally[0] += whole
+                tally[1] += len(lengths)
+            steps = sum(s for _, s in by_period.values())
+            if not steps:
+                continue
+            whole = sum(w for w, _ in by_period.values())
+            (worst, period), (w, s) = max(by_loop.items(), key=lambda item: item[1][1] - item[1][0])
+            cells = [name, str(steps), f"{whole / steps:.2f}"]
+            cells += [f"{w_}/{s_}" if s_ else "—" for w_, s_ in by_period.values()]
+            cells.append(f"{worst} ({period}): {w}/{s}" if w < s else "—")
+            rows.append("| " + " | ".join(cells) + " |")
+        if not rows:
+            continue
+        head = ["run", "steps", "whole block"]
+        head += [f"period {lo}-{hi}" for lo, hi in PERIODS] + ["most misses: loop (period)"]
+        title = (
+            f"{KIND_NAMES[kind]}, T = 0, inside established loops (the steps from each loop's "
+            "third period on, each output's last step left out): the share accepting the "
+            "whole block, whole blocks / steps by the loop's period, and the loop missed most "
+            "(runs pooled):"
+        )
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows]
         out.append(f"\n{title}\n\n" + "\n".join(lines) + "\n")
     return "".join(out)

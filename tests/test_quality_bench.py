@@ -310,6 +310,12 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpm | from the loop on | 676 | 12.108 | 0.93 |" in chat_positions
     assert "| 0.68 | 0.67 | 0.65 |\n| peer2048 |" in chat_positions  # `dpm`: 0.65 at 15
     assert "| peer | from the loop on | 682 | 12.001 |" in chat_positions
+    # inside established loops: the preset copies the whole block in 0.81 of the steps, and
+    # never in the loop of period 23 that `dpm` and the peer mostly copy
+    copying = md.split("chat, T = 0, inside established loops")[1].split("\n\n")[1]
+    assert "| recipe | 489 | 0.81 | 170/171 | 171/196 | 53/122 | chitchat/1f6e4e15" in copying
+    assert "(23): 0/54 |" in copying and "| dpm | 451 | 0.95 |" in copying
+    assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
     stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
     assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]

@@ -64,3 +64,41 @@ def test_pairs_splits_each_recipes_reach_per_draft_position_at_the_loops(
     quality.run("pairs", config, [])
     md = next((tmp_path / "b2").glob("quality_*_pairs.md")).read_text()
     assert "(left out, no per-prompt outputs: old)" in md.split("per draft position")[1]
+
+
+def test_pairs_counts_whole_blocks_inside_established_loops(
+    quality: ModuleType, tmp_path: Path
+) -> None:
+    """`pairs`' copy table: per kind with loops, each recipe's verify steps that start in
+    the third period of an output's loop or later (the last step of the output left out, as
+    max_new_tokens cuts it), the share accepting the whole block, by the loop's period, and
+    the loop missed most; a kind without loops gets no table."""
+
+    def write(folder: Path, kind: str, ids: list[int], lengths: list[int]) -> None:
+        assert sum(lengths) == len(ids) - 1
+        folder.mkdir(parents=True, exist_ok=True)
+        prompt = {"id": "p0", "source": "s0", "acceptance_lengths": lengths, "output_ids": ids}
+        report = {"tau": sum(lengths) / len(lengths), "per_prompt": [prompt]}
+        report["settings"] = {"block_size": 8}
+        (folder / f"{kind}.json").write_text(json.dumps(report))
+
+    looping = list(range(100, 110)) + [7, 8] * 65  # a loop of period 2 from index 10
+    straight = list(range(100, 240))
+    a, p = tmp_path / "a", tmp_path / "p"
+    # steps start at 1, 4, 7, 10, 18, ..., 122, 130, 135: those from 14 (the third period)
+    # are the fourteen 8s from 18 and the 5 at 130 (a miss); the last step is left out
+    write(a, "chat", looping, [3, 3, 3] + [8] * 15 + [5, 5])
+    write(p, "chat", looping, [5, 6] + [8] * 16)  # from 20: fourteen 8s, then the last step
+    write(a, "code", straight, [3] * 46 + [1])
+    write(p, "code", straight, [3] * 46 + [1])
+    bench = tmp_path / "bench"
+    _, config, _ = quality.parse(
+        ["pairs", "--runs", f"a={a}", "--peer", str(p), "--bench-dir", str(bench)]
+    )
+    quality.run("pairs", config, [])
+    md = next(bench.glob("quality_*_pairs.md")).read_text()
+    tables = md.split("inside established loops")
+    assert len(tables) == 2 and tables[0].splitlines()[-1].startswith("chat, T = 0")
+    assert "| run | steps | whole block | period 1-4 | period 5-12 | period 13-32 |" in tables[1]
+    assert "| a | 15 | 0.93 | 14/15 | — | — | p0 (2): 14/15 |" in tables[1]
+    assert "| peer | 14 | 1.00 | 14/14 | — | — | — |" in tables[1]

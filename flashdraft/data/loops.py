@@ -4,8 +4,8 @@ A small target's greedy decoding often falls into one and stays there until its 
 (SmolLM2-135M: 68% of its greedy chat answers, 82% of their tokens). A drafter accepts such
 text whole, so loops lift tau far above what it does on text that stays on topic, and in
 training data they spend the loss on the easiest tokens there are. `loop_start` finds the loop
-an output ends in (the eval's accounting), `repeat_runs` every long periodic run of a sequence
-(`prepare --loops untrain`).
+an output ends in (the eval's accounting; `find_loop` also its period), `repeat_runs` every
+long periodic run of a sequence (`prepare --loops untrain`).
 
 A run of period p is a stretch whose every token equals the one p before it; its first period
 counts as part of it (the first time the sentence is said).
@@ -23,21 +23,30 @@ DATA_LOOP_MIN = 64  # in training data: the shortest repeating stretch that is a
 DATA_LOOP_KEEP = 16  # ... and the tokens of each that `prepare --loops untrain` still trains
 
 
-def loop_start(
+def find_loop(
     ids: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD
-) -> int | None:
-    """The first index of `ids` from which the rest repeats with a period of at most
-    `max_period` (its first period included), if that rest holds at least `tail` tokens;
-    None when the output does not end in such a loop."""
+) -> tuple[int, int] | None:
+    """(start, period) of the loop `ids` ends in: the first index from which the rest
+    repeats with a period of at most `max_period` (its first period included), if that rest
+    holds at least `tail` tokens, and the shortest such period (its multiples start at the
+    same index); None when the output does not end in such a loop."""
     earliest = None
     for period in range(1, max_period + 1):
         j = len(ids)  # ids[k] == ids[k - period] for every k >= j
         while j > period and ids[j - 1] == ids[j - 1 - period]:
             j -= 1
         start = j - period
-        if len(ids) - start >= tail and (earliest is None or start < earliest):
-            earliest = start
+        if len(ids) - start >= tail and (earliest is None or start < earliest[0]):
+            earliest = (start, period)
     return earliest
+
+
+def loop_start(
+    ids: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD
+) -> int | None:
+    """The first index of the loop `ids` ends in (`find_loop`), None when it ends in none."""
+    found = find_loop(ids, tail, max_period)
+    return found[0] if found else None
 
 
 def repeat_runs(

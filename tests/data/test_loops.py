@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from flashdraft.data.loops import (
+    find_loop,
     loop_excess,
     loop_excess_batch,
     loop_start,
@@ -39,6 +40,11 @@ def test_a_loop_at_the_end_is_the_eval_loop_start() -> None:
     ids = a(list(range(30)), [4, 5, 6, 7] * 40)
     assert repeat_runs(ids, min_length=128) == [(30, 190)]
     assert loop_start(ids.tolist()) == 30
+    # its period: the shortest (8 and 12 repeat from the same index), None without a loop
+    assert find_loop(ids.tolist()) == (30, 4)
+    assert find_loop(a(list(range(5)), [9] * 130).tolist()) == (5, 1)
+    assert find_loop(a(list(range(200))).tolist()) is None
+    assert find_loop(a(list(range(10)), [1, 2, 3] * 30).tolist()) is None  # 90 < 128 tokens
 
 
 def test_untrain_keeps_the_first_tokens_of_each_loop_and_the_context() -> None:
