@@ -12,9 +12,9 @@ its deficit opened at position 6 and grew to 0.09 of the steps at position 15).
 Inside a loop, the steps from its third period on draft text said twice already: pure
 copying, where a drafter should accept the whole block. `copy_tables` counts how often each
 recipe does, by the loop's period, and names the loop it misses most (s34: the preset
-accepted the whole block in 0.81 of those steps, `dpm` and the peer 0.94-0.98; most of the
-preset's misses were one loop of period 23 whose sentence holds " that" twice, with two
-different continuations).
+accepted the whole block in 0.81 of those steps, `dpm` and the peer 0.94-0.98; half of the
+preset's misses were one loop of period 23, "I'm glad to hear that you're thinking ahead and
+building something that can meet all of the client's needs.", which it never copied whole).
 """
 
 from __future__ import annotations
