@@ -136,11 +136,14 @@ def copy_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             steps = sum(s for _, s in by_period.values())
             if not steps:
                 continue
-            whole = sum(w for w, _ in by_period.values())
-            (worst, period), (w, s) = max(by_loop.items(), key=lambda item: item[1][1] - item[1][0])
+            whole = sum(hits for hits, _ in by_period.values())
             cells = [name, str(steps), f"{whole / steps:.2f}"]
-            cells += [f"{w_}/{s_}" if s_ else "—" for w_, s_ in by_period.values()]
-            cells.append(f"{worst} ({period}): {w}/{s}" if w < s else "—")
+            cells += [f"{hits}/{n}" if n else "—" for hits, n in by_period.values()]
+            # the loop with the most steps short of the whole block
+            (loop_id, loop_period), (hits, n) = max(
+                by_loop.items(), key=lambda i: i[1][1] - i[1][0]
+            )
+            cells.append(f"{loop_id} ({loop_period}): {hits}/{n}" if hits < n else "—")
             rows.append("| " + " | ".join(cells) + " |")
         if not rows:
             continue
