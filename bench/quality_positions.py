@@ -12,8 +12,8 @@ its deficit opened at position 6 and grew to 0.09 of the steps at position 15).
 Inside a loop, the steps from its third period on draft text said twice already: pure
 copying, where a drafter should accept the whole block. `copy_tables` counts how often each
 recipe does, by the loop's period, and names the loop it misses most (s34: the preset
-accepted the whole block in 0.81 of those steps, `dpm` and the peer 0.94-0.98; half of the
-preset's misses were one loop of period 23, "I'm glad to hear that you're thinking ahead and
+accepted the whole block in 0.81 of those steps, `dpm` and the peer 0.94-0.98; 54 of the
+preset's 95 misses were one loop of period 23, "I'm glad to hear that you're thinking ahead and
 building something that can meet all of the client's needs.", which it never copied whole).
 """
 
