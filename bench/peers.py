@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peers_inputs import SEED, Case, Geometry, drafter_config, phase, phases_of  # beside it
+from peers_inputs import SEED, SPAWNED_AT, Case, Geometry, drafter_config, phase, phases_of
 from peers_steps import run_flashdraft, run_specforge, run_speculators
 
 FRAMEWORKS = ("flashdraft", "speculators", "specforge")
@@ -202,7 +202,7 @@ def geometry(args: argparse.Namespace) -> Geometry:
 def timeout_status(timeout: float, phases: dict[str, float]) -> str:
     """'timed out after N s', then how far the worker got (its last phase, or none)."""
     if not phases:
-        return f"timed out after {timeout:.0f} s (before its step was set up)"
+        return f"timed out after {timeout:.0f} s (no phase marked: still starting)"
     last = list(phases)[-1]
     return f"timed out after {timeout:.0f} s (last: {last} at {phases[last]:.1f} s)"
 
@@ -214,6 +214,7 @@ def spawn(case: Case, g: Geometry, timeout: float) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env[SPAWNED_AT] = repr(time.time())  # the workers' phases count from here, as the timeout
     cmd = [sys.executable, __file__, "--worker", case.framework]
     cmd += ["--case", json.dumps(asdict(case)), "--geometry", json.dumps(asdict(g))]
     base = {"framework": case.framework, "context": case.context, "anchors": case.anchors}

@@ -7,6 +7,7 @@ and torch are imported here; each framework's step is in `peers_steps.py`."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -17,24 +18,34 @@ import torch
 from torch import Tensor, nn
 
 SEED = 1234
-PHASE_TAG = "PEERS_PHASE "  # stderr lines "PEERS_PHASE <name> <seconds since the worker began>"
-_BEGAN = time.perf_counter()  # this module is imported as the worker starts
+PHASE_TAG = "PEERS_PHASE "  # stderr lines "PEERS_PHASE <name> <seconds since spawned>"
+PHASES = ("imported", "set up", "first step done", "warmup done")
+SPAWNED_AT = "PEERS_SPAWNED_AT"  # the parent's time.time() as it started the worker (env)
 
 
 def phase(name: str) -> None:
-    """Say on stderr that the worker reached `name` (read by the parent, even after a kill)."""
-    print(f"{PHASE_TAG}{name} {time.perf_counter() - _BEGAN:.1f}", file=sys.stderr, flush=True)
+    """Say on stderr that the worker reached `name` (read by the parent, even after a kill),
+    in seconds since the parent spawned it: the clock of its `--timeout`. One write, so no
+    other output (the compile workers share the stream) lands inside the line."""
+    assert name in PHASES, name
+    began = float(os.environ.get(SPAWNED_AT, _IMPORTED))
+    sys.stderr.write(f"{PHASE_TAG}{name} {time.time() - began:.1f}\n")
+    sys.stderr.flush()
+
+
+_IMPORTED = time.time()  # a worker run by hand: its clock starts here
 
 
 def phases_of(stderr: str) -> dict[str, float]:
-    """The phases a worker marked, in order: name -> seconds since it began."""
+    """The phases a worker marked, in order: name -> seconds since it was spawned (lines
+    that are not a whole mark of a known phase, e.g. cut by the kill, are skipped)."""
     out: dict[str, float] = {}
     for line in stderr.splitlines():
         name, _, seconds = line.removeprefix(PHASE_TAG).rpartition(" ")
-        if line.startswith(PHASE_TAG) and name:
+        if line.startswith(PHASE_TAG) and name in PHASES:
             try:
                 out[name] = float(seconds)
-            except ValueError:  # a line cut by the kill
+            except ValueError:
                 continue
     return out
 
@@ -191,7 +202,9 @@ def load_drafter_weights(module: nn.Module, weights: dict[str, Tensor]) -> None:
 
 def timed(step: Callable[[], None], device: torch.device, case: Case) -> dict[str, Any]:
     """`measure` of `step`, the phases marked: set up (the step about to run), its first call
-    done (with a cold compile, most of a worker's time on a GPU), the warmup done."""
+    done (with a cold compile, most of a worker's time on a GPU), the warmup done (with one
+    warmup call, the first call is all of it: only "first step done"; with none, only "set
+    up")."""
     from flashdraft.benchutil import measure, sync
 
     calls = 0

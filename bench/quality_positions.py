@@ -23,12 +23,12 @@ from typing import Any
 
 from quality_report import KIND_NAMES  # beside this script
 
-from flashdraft.data.loops import find_loop, loop_start
+from flashdraft.data.loops import LOOP_PERIOD, find_loop, loop_start
 from flashdraft.eval.report import steps_before, summarize
 from flashdraft.eval.speculative import DecodeResult
 
 SEGMENTS = ("before the loop", "from the loop on")
-PERIODS = ((1, 4), (5, 12), (13, 32))  # the copy table's period columns, in tokens
+PERIODS = ((1, 4), (5, 12), (13, LOOP_PERIOD))  # the copy table's period columns, in tokens
 
 
 def split_at_loop(prompt: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -115,13 +115,17 @@ def copy_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     for kind, recipes in runs.items():
         rows = []
         for name, reports in recipes.items():
-            prompts = [p for r in reports for p in r.get("per_prompt") or []]
-            if not prompts or any("output_ids" not in p for p in prompts):
+            # each prompt with its run's block size (a whole block: all B - 1 drafts + 1)
+            prompts = [
+                (p, (r.get("settings") or {}).get("block_size", 16))
+                for r in reports
+                for p in r.get("per_prompt") or []
+            ]
+            if not prompts or any("output_ids" not in p for p, _ in prompts):
                 continue  # named by position_tables' note
-            block = max((r.get("settings") or {}).get("block_size", 16) for r in reports)
             by_period = {bucket: [0, 0] for bucket in PERIODS}  # whole blocks, steps
             by_loop: dict[tuple[str, int], list[int]] = {}
-            for prompt in prompts:
+            for prompt, block in prompts:
                 found = copying_steps(prompt)
                 if found is None or not found[1]:
                     continue
