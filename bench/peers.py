@@ -209,7 +209,7 @@ def timeout_status(timeout: float, phases: dict[str, float]) -> str:
 
 def spawn(case: Case, g: Geometry, timeout: float) -> dict[str, Any]:
     """Run one worker; a crash, a timeout or a missing result becomes a status, not an error.
-    Every row keeps the phases the worker marked (`phases`: name -> seconds since it began)."""
+    Every row keeps the phases the worker marked (`phases`: name -> seconds since spawned)."""
     repo = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), repo) if p)

@@ -21,6 +21,7 @@ SEED = 1234
 PHASE_TAG = "PEERS_PHASE "  # stderr lines "PEERS_PHASE <name> <seconds since spawned>"
 PHASES = ("imported", "set up", "first step done", "warmup done")
 SPAWNED_AT = "PEERS_SPAWNED_AT"  # the parent's time.time() as it started the worker (env)
+_IMPORTED = time.time()  # a worker run by hand: its clock starts here
 
 
 def phase(name: str) -> None:
@@ -31,9 +32,6 @@ def phase(name: str) -> None:
     began = float(os.environ.get(SPAWNED_AT, _IMPORTED))
     sys.stderr.write(f"{PHASE_TAG}{name} {time.time() - began:.1f}\n")
     sys.stderr.flush()
-
-
-_IMPORTED = time.time()  # a worker run by hand: its clock starts here
 
 
 def phases_of(stderr: str) -> dict[str, float]:

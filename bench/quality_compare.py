@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from quality_positions import copy_tables, position_tables, split_at_loop  # beside it
+from quality_positions import copy_tables, outputs, position_tables, split_at_loop
 from quality_report import KIND_NAMES, collect, read_metrics
 
 from flashdraft.data.sources import KINDS
@@ -142,9 +142,10 @@ def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:
     prompt keeps the verify steps that end before its loop starts (`loop_start`, read from
     the output ids, so reports written before loops were counted work too) and tau is taken
     over those; None when nothing is left or the report has no per-prompt outputs."""
-    prompts = (report or {}).get("per_prompt") or []
-    if not prompts or any("output_ids" not in p for p in prompts):
+    found = outputs([report] if report else [])
+    if found is None:
         return None
+    prompts = [p for p, _ in found]
     splits = [split_at_loop(p) for p in prompts]
     kept = [
         {**p, "acceptance_lengths": before} for p, (before, _) in zip(prompts, splits, strict=True)

@@ -31,6 +31,20 @@ SEGMENTS = ("before the loop", "from the loop on")
 PERIODS = ((1, 4), (5, 12), (13, LOOP_PERIOD))  # the copy table's period columns, in tokens
 
 
+def outputs(reports: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]] | None:
+    """Every per-prompt entry of `reports` (one recipe's runs of one kind), each with its
+    run's block size; None when there are none or one lacks its output ids (a report written
+    before the eval kept them): what the loop tables read."""
+    prompts = [
+        (p, (r.get("settings") or {}).get("block_size", 16))
+        for r in reports
+        for p in r.get("per_prompt") or []
+    ]
+    if not prompts or any("output_ids" not in p for p, _ in prompts):
+        return None
+    return prompts
+
+
 def split_at_loop(prompt: dict[str, Any]) -> tuple[list[int], list[int]]:
     """One prompt's acceptance lengths: the verify steps whose tokens all come before the
     loop its output ends in, and the rest, the step across the loop's start included (empty
@@ -44,11 +58,11 @@ def split_at_loop(prompt: dict[str, Any]) -> tuple[list[int], list[int]]:
 def segments(reports: list[dict[str, Any]]) -> dict[str, list[int]] | None:
     """Every run's steps of one recipe and kind, pooled, split at the loops; None when a
     report has no per-prompt outputs (written before outputs were kept)."""
-    prompts = [p for r in reports for p in r.get("per_prompt") or []]
-    if not prompts or any("output_ids" not in p for p in prompts):
+    prompts = outputs(reports)
+    if prompts is None:
         return None
     split: dict[str, list[int]] = {name: [] for name in SEGMENTS}
-    for prompt in prompts:
+    for prompt, _ in prompts:
         before, rest = split_at_loop(prompt)
         split[SEGMENTS[0]] += before
         split[SEGMENTS[1]] += rest
@@ -107,48 +121,39 @@ def copying_steps(prompt: dict[str, Any]) -> tuple[int, list[int]] | None:
     return period, kept
 
 
+def copy_row(name: str, reports: list[dict[str, Any]]) -> str | None:
+    """One recipe's row of the copy table: its steps inside established loops
+    (`copying_steps`), the share accepting the whole block (all B - 1 drafts and the bonus),
+    that share by the loop's period, and the loop with the most misses (runs pooled); None
+    without such steps or without per-prompt outputs (`position_tables` names those)."""
+    by_period = {bucket: [0, 0] for bucket in PERIODS}  # whole blocks, steps
+    by_loop: dict[tuple[str, int], list[int]] = {}  # the same, per (prompt, period)
+    for prompt, block in outputs(reports) or []:
+        found = copying_steps(prompt)
+        if found is None or not found[1]:
+            continue
+        period, lengths = found
+        whole = sum(n >= block for n in lengths)
+        bucket = next(b for b in PERIODS if b[0] <= period <= b[1])
+        for tally in (by_period[bucket], by_loop.setdefault((str(prompt["id"]), period), [0, 0])):
+            tally[0] += whole
+            tally[1] += len(lengths)
+    steps = sum(n for _, n in by_period.values())
+    if not steps:
+        return None
+    whole = sum(hits for hits, _ in by_period.values())
+    cells = [name, str(steps), f"{whole / steps:.2f}"]
+    cells += [f"{hits}/{n}" if n else "—" for hits, n in by_period.values()]
+    (loop_id, period), (hits, n) = max(by_loop.items(), key=lambda i: i[1][1] - i[1][0])
+    cells.append(f"{loop_id} ({period}): {hits}/{n}" if hits < n else "—")
+    return "| " + " | ".join(cells) + " |"
+
+
 def copy_tables(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
-    """`runs` as for `position_tables`. Per kind with loops, a row per recipe: its steps
-    inside established loops (`copying_steps`), the share accepting the whole block, that
-    share by the loop's period, and the loop with the most misses (runs pooled)."""
+    """`runs` as for `position_tables`. Per kind with loops, `copy_row` of each recipe."""
     out = []
     for kind, recipes in runs.items():
-        rows = []
-        for name, reports in recipes.items():
-            # each prompt with its run's block size (a whole block: all B - 1 drafts + 1)
-            prompts = [
-                (p, (r.get("settings") or {}).get("block_size", 16))
-                for r in reports
-                for p in r.get("per_prompt") or []
-            ]
-            if not prompts or any("output_ids" not in p for p, _ in prompts):
-                continue  # named by position_tables' note
-            by_period = {bucket: [0, 0] for bucket in PERIODS}  # whole blocks, steps
-            by_loop: dict[tuple[str, int], list[int]] = {}
-            for prompt, block in prompts:
-                found = copying_steps(prompt)
-                if found is None or not found[1]:
-                    continue
-                period, lengths = found
-                whole = sum(n >= block for n in lengths)
-                bucket = next(b for b in PERIODS if b[0] <= period <= b[1])
-                by_period[bucket][0] += whole
-                by_period[bucket][1] += len(lengths)
-                tally = by_loop.setdefault((str(prompt["id"]), period), [0, 0])
-                tally[0] += whole
-                tally[1] += len(lengths)
-            steps = sum(s for _, s in by_period.values())
-            if not steps:
-                continue
-            whole = sum(hits for hits, _ in by_period.values())
-            cells = [name, str(steps), f"{whole / steps:.2f}"]
-            cells += [f"{hits}/{n}" if n else "—" for hits, n in by_period.values()]
-            # the loop with the most steps short of the whole block
-            (loop_id, loop_period), (hits, n) = max(
-                by_loop.items(), key=lambda i: i[1][1] - i[1][0]
-            )
-            cells.append(f"{loop_id} ({loop_period}): {hits}/{n}" if hits < n else "—")
-            rows.append("| " + " | ".join(cells) + " |")
+        rows = [row for name, reports in recipes.items() if (row := copy_row(name, reports))]
         if not rows:
             continue
         head = ["run", "steps", "whole block"]
