@@ -132,7 +132,8 @@
 # machine was lost between calls twice (a reply more than 30 s after the last call), each
 # time with a run and its checkpoints; hence SEND_CKPT (send_checkpoints) and `restore`.
 # A long run now goes (every call at once after the last; no carry unless said):
-#   one + cache (carry .whl/min .qcarry .gguf/partaa .icache), then
+#   one + cache (carry .whl/min .qcarry .gguf/partaa .icache; since s35: .icache with the
+#   next call, see below), then
 #   export CALL_START=$(date +%s) ...; TWO_STAGES=prepare two + SEND_CKPT=NAME multi
 #   (carry .gguf/partab), then the same multi line until complete (EXPORT_RUNS=NAME);
 # after each call keep the ckpt_NAME.step_N.tgz.part* that came back (one folder per call);
@@ -178,6 +179,13 @@
 # then the rest (558 s of training in all) and `quality.py eval --run peer-speculators`, as
 # the stage now does after training. A `two` call sent without .gguf/partab now says so
 # (s25 lost its last 9 device-minutes to that and to the machine that followed).
+#
+# 2026-12-05, thirty-fifth session (benchmarks/quality_h100_20261205_s35.md): `one`'s carry
+# with .icache beside it (3.7 MiB of tree + 62 MiB) passed the 64 MiB a call may carry and
+# was refused before any start; .icache now goes with the second call, `cache` first:
+#   call 1 (carry .whl/min .qcarry .gguf/partaa): one
+#   call 2 (carry .gguf/partab .icache): export ...; bash bench/quality_session.sh cache;
+#   TWO_STAGES=prepare two; ... multi
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}

@@ -280,12 +280,12 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors) and s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows and s34's `dpm`)
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`)
     s29, s34 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
     stage, config, _ = quality.parse(s34)
     config = dataclasses.replace(config, bench_dir=str(tmp_path / "s34"))
-    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "dpm", "peer2048"]
+    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "dpm", "dps", "peer2048"]
     md = next((tmp_path / "s34").glob("quality_*_pairs.md")).read_text()
     assert (
         "| recipe | 6.869 (2) | 0.996 [0.97-1.02] | 2.922 (2) | 1.069 [1.04-1.10] "
@@ -295,12 +295,18 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
         "| dpm | 7.159 (2) | 1.038 [1.01-1.06] | 3.040 (2) | 1.112 [1.09-1.13] "
         "| 3.874 (2) | 1.108 [1.09-1.13] |"
     ) in md
+    assert (
+        "| dps | 6.883 (2) | 0.998 [0.97-1.02] | 2.990 (2) | 1.094 [1.08-1.11] "
+        "| 3.834 (2) | 1.097 [1.07-1.12] |"
+    ) in md
     assert "| peer2048 | 7.205 (2) | 1.045 [1.02-1.07] | 3.044 (2) | 1.114 [1.09-1.14] |" in md
     loops = md.split("Over the text before")[1].split("At T = 1")[0]
     assert "| recipe | 2.504 (2) | 1.051 [1.02-1.09] |" in loops
     assert "| dpm | 2.537 (2) | 1.065 [1.03-1.10] |" in loops
+    assert "| dps | 2.430 (2) | 1.020 [0.98-1.06] |" in loops  # below the preset's 2.504
     assert "| recipe | 1.585 (2) | 1.097 [1.07-1.13] |" in md  # T = 1
     assert "| dpm | 1.554 (2) | 1.076 [1.06-1.10] |" in md
+    assert "| dps | 1.585 (2) | 1.097 [1.06-1.14] |" in md  # the preset's T = 1, not `dpm`'s
     by_run = md.split("Run by run:")[1]
     assert "| recipe | 0.977-1.015 (4) | 1.048-1.091 (4) | 1.046-1.061 (2) |" in by_run
     assert "| dpm | 1.014-1.062 (4) | 1.084-1.141 (4) | 1.106-1.111 (2) |" in by_run
@@ -308,13 +314,15 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| recipe | from the loop on | 725 | 11.288 | 0.92 |" in chat_positions
     assert "| 0.58 | 0.57 | 0.55 |\n| dpm |" in chat_positions  # the preset: 0.55 at 15
     assert "| dpm | from the loop on | 676 | 12.108 | 0.93 |" in chat_positions
-    assert "| 0.68 | 0.67 | 0.65 |\n| peer2048 |" in chat_positions  # `dpm`: 0.65 at 15
+    assert "| 0.68 | 0.67 | 0.65 |\n| dps |" in chat_positions  # `dpm`: 0.65 at 15
+    assert "| 0.64 | 0.63 | 0.61 |\n| peer2048 |" in chat_positions  # `dps`: 0.61 at 15
     assert "| peer | from the loop on | 682 | 12.001 |" in chat_positions
     # inside established loops: the preset copies the whole block in 0.81 of the steps, and
     # never in the loop of period 23 that `dpm` and the peer mostly copy
     copying = md.split("chat, T = 0, inside established loops")[1].split("\n\n")[1]
     assert "| recipe | 489 | 0.81 | 170/171 | 171/196 | 53/122 | chitchat/1f6e4e15" in copying
     assert "(23): 0/54 |" in copying and "| dpm | 451 | 0.95 |" in copying
+    assert "| dps | 459 | 0.91 | 169/172 | 175/187 | 73/100 |" in copying
     assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
     stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
