@@ -49,6 +49,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,7 @@ def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, An
     complete = True
     for name in wanted:
         log.info(f"\n== {name} ==")
+        started = time.perf_counter()
         if name == "build-prompts":
             pipeline.build_prompts()
         elif name == "generate":
@@ -256,6 +258,8 @@ def run(stage: str, config: QualityConfig, overrides: list[str]) -> dict[str, An
             )
             log.info(md.read_text())
             log.info(f"written: {md} {png}")
+        # each stage's time, also when it had nothing to do: a device call's start-up, by part
+        log.info(f"== {name}: {time.perf_counter() - started:.1f} s")
         if not complete:
             log.info(f"{name}: not complete; run the same command again to continue")
             break

@@ -98,6 +98,39 @@ def test_the_whole_pipeline_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert json.loads((out / "stages/prune-narrow.json").read_text())["scores"] == "activation"
 
 
+def test_every_stage_says_its_time_even_with_nothing_to_do(
+    quality: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`== STAGE: N s` after each stage, done or skipped: where a device call's start-up
+    goes (s35: 143 s before the first step, 6 s of them compiling)."""
+
+    class Stages:  # a pipeline whose stages take known times on a clock of its own
+        device, out, clock = "cuda", "unused", 100.0
+
+        def build_prompts(self) -> None:
+            self.clock += 2.0
+
+        def generate(self) -> bool:
+            return True  # nothing to do: 0 s
+
+        def prepare(self) -> None:
+            self.clock += 30.0
+
+    pipeline = Stages()
+    monkeypatch.setattr(quality, "Pipeline", lambda config, overrides: pipeline)
+    monkeypatch.setattr(quality, "STAGES", ("build-prompts", "generate", "prepare"))
+    monkeypatch.setattr(quality, "collect", lambda out, run: {"evals": {}, "sampled": {}})
+    monkeypatch.setattr(quality.time, "perf_counter", lambda: pipeline.clock)
+    _, config, _ = quality.parse(["all", "--output", "unused"])
+    assert quality.run("all", config, [])["complete"] is True
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== ")]
+    assert [line for line in lines if ": " in line] == [
+        "== build-prompts: 2.0 s",
+        "== generate: 0.0 s",
+        "== prepare: 30.0 s",
+    ]
+
+
 def test_prepare_trains_the_turns_asked_for(
     quality: ModuleType, stages: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

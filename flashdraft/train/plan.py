@@ -13,6 +13,7 @@ by construction the trainer's step-0 drafter.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,7 @@ class RunPlan:
     start_step: int
     start_cursor: int
     resume_from: str | None
+    planned_s: float = 0.0  # what planning took: the target's config, the data, the rows
 
     @property
     def rows_per_step(self) -> int:
@@ -236,6 +238,7 @@ def plan_run(
 ) -> RunPlan:
     """The plan of a run on this rank; writes the resolved config into the run directory.
     `target_config` and `dataset` may be passed in already built (benchmarks, tests)."""
+    started = time.perf_counter()
     placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
     rows_per_step = placement.dp_world * config.optim.grad_accum
     resume_from, skipped = _resume_point(config, resume)
@@ -278,4 +281,5 @@ def plan_run(
         start_step=int(state["step"]),
         start_cursor=int(state["cursor"]),
         resume_from=resume_from,
+        planned_s=time.perf_counter() - started,
     )

@@ -70,6 +70,7 @@ class Trainer:
     `target_model` may be passed in already built (benchmarks, tests)."""
 
     def __init__(self, plan: RunPlan, target_model: Any = None) -> None:
+        started = time.perf_counter()  # the set-up's time, by part, goes into the banner
         config, info = plan.config, plan.info
         self.plan, self.config, self.info = plan, config, info
         self.placement = plan.placement
@@ -107,6 +108,7 @@ class Trainer:
         self.source = open_feature_source(plan, self.backend, target_model)
         self.target, self.head = self.source.target, self.source.head
         self.head.check_drafter(self.drafter_config)  # what the export will tell the engines
+        target_ready = time.perf_counter()
 
         resuming = plan.resume_from is not None
         self.drafter = initial_drafter(config, self.drafter_config, resuming=resuming)
@@ -141,6 +143,12 @@ class Trainer:
         self.stopwatch = Stopwatch(self.device)
         # `held_out.on`: the same on every rank (logging is collective); the logger evaluates
         self.held_out = HeldOutEval(config, self.target, self.placement.is_logger, resuming)
+        done = time.perf_counter()
+        self.setup_s = {
+            "plan and data": plan.planned_s,
+            "target": target_ready - started,
+            "drafter, optimizer and eval": done - target_ready,
+        }
         if self.placement.is_logger:
             log.info(self._banner())
 
@@ -181,6 +189,9 @@ class Trainer:
             )
         if plan.resume_from:
             lines.append(f"  resuming from {plan.resume_from} at step {self.step}")
+        # where the time before the first step goes (a device session's start-up, s35)
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.setup_s.items())
+        lines.append(f"  set up in {sum(self.setup_s.values()):.1f} s: {parts}")
         return "\n".join(lines)
 
     # ---- in-training eval (`held_out`): the whole drafter it evaluates ----

@@ -5,6 +5,7 @@ is in tests/test_faults.py)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -339,7 +340,14 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     }
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **extra)]) == 0
-    assert "the target runs ahead, 2 rows a forward" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the target runs ahead, 2 rows a forward" in out
+    # the banner says where the time before the first step went, its parts adding up
+    setup = re.search(r"set up in ([\d.]+) s: plan and data ([\d.]+) s, target ([\d.]+) s, "
+                      r"drafter, optimizer and eval ([\d.]+) s", out)  # fmt: skip
+    assert setup is not None, out
+    total, *pieces = (float(x) for x in setup.groups())  # each rounded to 0.1 s
+    assert total > 0 and abs(total - sum(pieces)) <= 0.21
     assert prefetches == [2]
     assert groups == [2, 1, 2, 1]
     groups.clear()
