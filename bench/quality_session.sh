@@ -132,10 +132,10 @@
 # machine was lost between calls twice (a reply more than 30 s after the last call), each
 # time with a run and its checkpoints; hence SEND_CKPT (send_checkpoints) and `restore`.
 # A long run now goes (every call at once after the last; no carry unless said):
-#   one + cache (carry .whl/min .qcarry .gguf/partaa .icache; since s35: .icache with the
-#   next call, see below), then
-#   export CALL_START=$(date +%s) ...; TWO_STAGES=prepare two + SEND_CKPT=NAME multi
-#   (carry .gguf/partab), then the same multi line until complete (EXPORT_RUNS=NAME);
+#   one (carry .whl/min .qcarry .gguf/partaa), then
+#   export CALL_START=$(date +%s) ...; cache; TWO_STAGES=prepare two + SEND_CKPT=NAME multi
+#   (carry .gguf/partab .icache; until s34 .icache went with `one`, which no longer fits:
+#   see s35 below), then the same multi line until complete (EXPORT_RUNS=NAME);
 # after each call keep the ckpt_NAME.step_N.tgz.part* that came back (one folder per call);
 # if a call finds a fresh machine: one + cache, restore (carry .qckpt with the newest whole
 # checkpoint's parts, in two calls of <= 64 MiB), then two + multi as before.

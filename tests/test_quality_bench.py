@@ -120,7 +120,7 @@ def test_every_stage_says_its_time_even_with_nothing_to_do(
     monkeypatch.setattr(quality, "Pipeline", lambda config, overrides: pipeline)
     monkeypatch.setattr(quality, "STAGES", ("build-prompts", "generate", "prepare"))
     monkeypatch.setattr(quality, "collect", lambda out, run: {"evals": {}, "sampled": {}})
-    monkeypatch.setattr(quality.time, "perf_counter", lambda: pipeline.clock)
+    monkeypatch.setattr(quality, "time", SimpleNamespace(perf_counter=lambda: pipeline.clock))
     _, config, _ = quality.parse(["all", "--output", "unused"])
     assert quality.run("all", config, [])["complete"] is True
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== ")]

@@ -113,7 +113,7 @@ class RunPlan:
     start_step: int
     start_cursor: int
     resume_from: str | None
-    planned_s: float = 0.0  # what planning took: the target's config, the data, the rows
+    planned_s: float  # what planning took: the target's config, the data, the rows
 
     @property
     def rows_per_step(self) -> int:

@@ -146,7 +146,7 @@ class Trainer:
         done = time.perf_counter()
         self.setup_s = {
             "plan and data": plan.planned_s,
-            "target": target_ready - started,
+            "memory check and target": target_ready - started,
             "drafter, optimizer and eval": done - target_ready,
         }
         if self.placement.is_logger:
