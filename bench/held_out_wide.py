@@ -2,9 +2,9 @@
 over their conversations: a chat eval set of N independent conversations.
 
 `build-prompts` holds out ~5% of the chitchat conversations (201 of 4,017 at seed 0), but its
-cap of 500 held-out prompts a kind keeps every turn of only the first 30 of them: the eval
-stage's 24 chat prompts are 24 conversations, and a wider selection from that file takes
-further turns of the same 30. Here the same split (the same conversations held out:
+cap of 500 held-out prompts a kind keeps the turns of only the first 30 of them (29 whole, 13
+of the 30th's 21): the eval stage's 24 chat prompts are 24 conversations, and a wider
+selection from that file takes further turns of the same 30. Here the same split (the same conversations held out:
 `is_held_out` depends only on the conversation's id and the seed) is taken whole, ordered
 as `build_prompts` orders a held-out file, and the eval stage's selection
 (`write_spread_subset`: one prompt a conversation, in file order) picks N. Nothing here was
@@ -64,7 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     write_spread_subset(whole, args.out / f"chat_wide_{args.n}.jsonl", args.n)
     sources = len({p["source"] for p in held})
     print(f"{len(held):,} held-out chat prompts from {sources} conversations -> {whole}")
-    print(f"{min(args.n, sources)} conversations, one prompt each -> chat_wide_{args.n}.jsonl")
+    if args.n > sources:  # the selection then takes second turns: not one a conversation
+        print(
+            f"held_out_wide: -n {args.n} is more than the {sources} held-out conversations; "
+            f"chat_wide_{args.n}.jsonl takes further turns of them (lower -n for one each)",
+            file=sys.stderr,
+        )
+    else:
+        print(f"{args.n} conversations, one prompt each -> chat_wide_{args.n}.jsonl")
     return 0
 
 

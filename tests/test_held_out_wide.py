@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 from helpers import bench_modules
 
-from flashdraft.data.sources import SourcesConfig, is_held_out, order_key, split_chat
+from flashdraft.data.sources import SourcesConfig, build_prompts, is_held_out
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +36,34 @@ def conversations(count: int) -> list[dict]:
     ]
 
 
-def test_every_held_out_conversation_is_taken_and_the_capped_file_is_inside(
+def held_out_file(chats: list[dict], out: Path, **settings: int) -> list[dict]:
+    """`build-prompts`' own held-out chat file for `chats` (no HumanEval, no code)."""
+    config = SourcesConfig(output=str(out), **settings)
+    build_prompts(config, conversations=chats, humaneval=[], code_roots=[])
+    return [json.loads(line) for line in (out / "held_out" / "chat.jsonl").open()]
+
+
+def test_the_cap_is_lifted_and_the_file_is_the_one_build_prompts_writes(
     wide: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    chats = conversations(400)
+    chats = conversations(4000)  # ~200 held out, ~600 held-out prompts: over the cap of 500
     held = wide.wide_held_out(chats)
     expected = {c["id"] for c in chats if is_held_out(c["id"], 0, 0.05)}
-    assert len(expected) > 6  # the cap below keeps fewer conversations than are held out
     assert {p["source"] for p in held} == expected and len(held) == 3 * len(expected)
-    assert held == sorted(held, key=lambda r: order_key(r["id"], 0))  # as a held-out file
-    capped = split_chat(chats, SourcesConfig(output="unused", max_held_out=6)).held_out
-    assert len({p["source"] for p in capped}) == 2 and all(p in held for p in capped)
+    assert len(held) > SourcesConfig(output="unused").max_held_out
+    # what build-prompts writes without the cap, in its order; with it, a part of that
+    assert held == held_out_file(chats, tmp_path / "whole", max_held_out=10**9)
+    capped = held_out_file(chats, tmp_path / "capped")
+    assert len(capped) == 500 and all(p in held for p in capped)
 
     monkeypatch.setattr(wide.assets, "chitchat_conversations", lambda: chats)
-    (tmp_path / "capped.jsonl").write_text("".join(json.dumps(p) + "\n" for p in capped))
-    argv = ["--out", str(tmp_path / "out"), "-n", "5", "--capped", str(tmp_path / "capped.jsonl")]
-    assert wide.main(argv) == 0
+    argv = [
+        "--out",
+        str(tmp_path / "out"),
+        "--capped",
+        str(tmp_path / "capped/held_out/chat.jsonl"),
+    ]
+    assert wide.main([*argv, "-n", "5"]) == 0
     picked = [json.loads(line) for line in (tmp_path / "out" / "chat_wide_5.jsonl").open()]
     assert len({p["source"] for p in picked}) == 5  # one prompt a conversation
     written = (tmp_path / "out" / "chat_wide_all.jsonl").read_text().splitlines()
