@@ -27,15 +27,15 @@ from typing import Any
 from quality_report import write_spread_subset  # beside this script
 
 from flashdraft import assets
-from flashdraft.data.sources import SourcesConfig, order_key, split_chat
+from flashdraft.data.sources import SourcesConfig, file_order, split_chat
 
 
 def wide_held_out(conversations: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """Every held-out chat prompt of the split at `seed` (the reference run's settings but
-    the cap), in the order `build_prompts` writes a held-out file."""
-    config = SourcesConfig(output="unused", seed=seed, max_chat=15000, max_held_out=10**9)
-    held = split_chat(conversations, config).held_out
-    return sorted(held, key=lambda r: order_key(r["id"], seed))
+    """Every held-out chat prompt of the split at `seed` (`SourcesConfig`'s defaults, as the
+    reference run's `split.json` records them, but the cap), in the order `build_prompts`
+    writes a held-out file."""
+    config = SourcesConfig(output="unused", seed=seed, max_held_out=10**9)
+    return file_order(split_chat(conversations, config).held_out, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,11 @@ def order_key(item_id: str, seed: int) -> int:
     return _hash64("order", seed, item_id)
 
 
+def file_order(records: Iterable[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """Prompt records in the order `build_prompts` writes them: shuffled by id (`order_key`)."""
+    return sorted(records, key=lambda r: order_key(r["id"], seed))
+
+
 @dataclass(slots=True)
 class KindSplit:
     """The prompts of one kind on both sides of the split, and what was left out."""
@@ -456,12 +461,10 @@ def build_prompts(
         "code": split_code(find_source_files(code_roots), config),
     }
     storage.makedirs(storage.join(config.output, "held_out"))
-    train = sorted(
-        (r for s in splits.values() for r in s.train), key=lambda r: order_key(r["id"], config.seed)
-    )
+    train = file_order((r for s in splits.values() for r in s.train), config.seed)
     files = {TRAIN_FILE: _write_jsonl(storage.join(config.output, TRAIN_FILE), train)}
     for kind, split in splits.items():
-        held = sorted(split.held_out, key=lambda r: order_key(r["id"], config.seed))
+        held = file_order(split.held_out, config.seed)
         name = f"held_out/{kind}.jsonl"
         files[name] = _write_jsonl(storage.join(config.output, name), held)
     manifest = {
