@@ -5,10 +5,13 @@
     python bench/quality.py train --run layers5 --set drafter.num_layers=5   # an ablation
     python bench/quality.py all --smoke --output /tmp/q  # CPU, tiny sizes, ~2 minutes
 
-The first line is the shipped drafter (24.35 MB, 13,878 steps in ~12 GPU-minutes on one H200;
-benchmarks/quality_h200_20261204_s24.md, run `i704a2k6`). The one shipped before it, two
-runs on one data (benchmarks/quality_h200_20261204_s22.md):
+The first line is the shipped drafter (24.35 MB, 13,878 steps in ~17 GPU-minutes on one H100;
+benchmarks/quality_h100_20261205_s36.md, run `dpm6`). The ones shipped before it: `i704a2k6`
+(benchmarks/quality_h200_20261204_s24.md), the preset with its loss of before s36, and
+before that `p704ft2`, two runs on one data (benchmarks/quality_h200_20261204_s22.md):
 
+    python bench/quality.py all --run i704a2k6 --set loss.weighting=decay \
+        --set loss.argmax_mix=0 --set eval.every=0                  # shipped s24-s35
     python bench/quality.py all --run ref6 --set loss.anchors=512 \
         --set drafter.intermediate_size=1536                        # 6 epochs, 38.7 MB
     python bench/quality.py all --run p704ft2 --prune-from ref6 --set optim.epochs=2 \

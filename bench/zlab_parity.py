@@ -4,9 +4,14 @@
 
 Both loops run on the same target (SmolLM2-135M-Instruct, fp32 on the CPU), the same
 export (`benchmarks/artifacts/smollm2-135m-dflash`) and the same held-out prompts, T = 0;
-prints both taus and step counts, then one JSON line. In fp32 the two must agree exactly
-(the bf16 GPU run of `bench/quality.py` differs at the target's near-ties: its continuations
-leave each other and the taus are measured on different text). `zlab_parity` is also what
+prints both taus and step counts, then one JSON line. In fp32 the two must agree exactly on
+every step that drafts a whole block (the bf16 GPU run of `bench/quality.py` differs at the
+target's near-ties: its continuations leave each other and the taus are measured on
+different text). Once fewer than B tokens are left of --max-new-tokens, z-lab's loop drafts
+a shorter block (fewer mask slots, which the block's other slots attend to), while
+flashdraft's drafts the whole block as trained and as SPEC section 5 says and drops what
+passes the limit: there the drafts may differ, so the last steps before the limit are
+compared apart (`whole_blocks`). `zlab_parity` is also what
 `bench/quality.py`'s eval stage runs beside each held-out T = 0 eval.
 """
 
@@ -43,11 +48,53 @@ def zlab_parity(config: EvalConfig) -> tuple[dict[str, Any], dict[str, Any]] | N
         return None
     fp32 = dataclasses.replace(config, dtype="float32", decoder="hf")
     model, tokenizer = load_eval_target(fp32)
-    ours = run_eval(fp32, model, tokenizer, load_drafter(config.drafter))
+    drafter = load_drafter(config.drafter)
+    ours = run_eval(fp32, model, tokenizer, drafter)
     theirs = zlab_reference(model, tokenizer, fp32)
     del model
     free_memory()
-    return None if theirs is None else (ours, theirs)
+    if theirs is None:
+        return None
+    mine = [p["acceptance_lengths"] for p in ours["per_prompt"]]
+    block = drafter.config.block_size
+    theirs["whole_blocks"] = whole_block_agreement(
+        mine, theirs.pop("per_prompt"), config.max_new_tokens, block
+    )
+    return ours, theirs
+
+
+def whole_block_steps(lengths: list[int], max_new_tokens: int, block: int) -> int:
+    """How many leading verify steps of one output (their acceptance lengths) z-lab's loop
+    runs with a whole block: its block is cut to the tokens left of `max_new_tokens`
+    (counting the bonus), min(B, max_new_tokens - produced + 1), after `produced` output
+    tokens (the prefill's included)."""
+    produced = 1
+    for i, n in enumerate(lengths):
+        if max_new_tokens - produced + 1 < block:
+            return i
+        produced += n
+    return len(lengths)
+
+
+def whole_block_agreement(
+    ours: list[list[int]], theirs: list[list[int]], max_new_tokens: int, block: int
+) -> dict[str, Any]:
+    """Both loops' acceptance lengths, per prompt, compared over the steps z-lab drafts a
+    whole block in (each prompt's count from flashdraft's steps; equal prefixes give equal
+    counts): `steps` compared, `identical` whether every one agrees, `tail_steps` and
+    `tail_identical` for the rest (z-lab's shortened blocks)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} prompts in flashdraft's report, {len(theirs)} in z-lab's")
+    steps = tail = 0
+    identical = tail_identical = True
+    for mine, other in zip(ours, theirs, strict=True):
+        k = whole_block_steps(mine, max_new_tokens, block)
+        steps += k
+        identical &= mine[:k] == other[:k]
+        tail += len(mine) - k
+        tail_identical &= mine[k:] == other[k:]
+    return {"steps": steps, "identical": identical, "tail_steps": tail,
+            "tail_identical": tail_identical}  # fmt: skip
 
 
 def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, Any] | None:
@@ -63,7 +110,7 @@ def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, 
     draft = zlab.DFlashDraftModel.from_pretrained(config.drafter, dtype=parameter.dtype)
     draft = draft.to(parameter.device).eval()
     stop = sorted(eos_token_ids(model, tokenizer))
-    lengths: list[int] = []
+    per_prompt: list[list[int]] = []
     # Its stats timer synchronises CUDA unconditionally; on the CPU a plain clock does.
     timer = zlab._cuda_time if parameter.device.type == "cuda" else time.perf_counter
     with mock.patch.object(zlab, "_cuda_time", timer):
@@ -72,8 +119,13 @@ def zlab_reference(model: Any, tokenizer: Any, config: EvalConfig) -> dict[str, 
             stats = zlab.dflash_generate(
                 draft, model, ids, config.max_new_tokens, stop, return_stats=True
             )
-            lengths += [int(n) for n in stats.acceptance_lengths]
-    return {"tau": sum(lengths) / len(lengths) if lengths else None, "steps": len(lengths)}
+            per_prompt.append([int(n) for n in stats.acceptance_lengths])
+    lengths = [n for one in per_prompt for n in one]
+    return {
+        "tau": sum(lengths) / len(lengths) if lengths else None,
+        "steps": len(lengths),
+        "per_prompt": per_prompt,
+    }
 
 
 # ---- the command ----
@@ -103,6 +155,13 @@ def main() -> int:
     report, reference = parity
     print(f"flashdraft eval: tau {report['tau']:.4f} over {report['total_steps']} steps")
     print(f"z-lab dflash_generate: tau {reference['tau']:.4f} over {reference['steps']} steps")
+    whole = reference["whole_blocks"]
+    print(
+        f"steps drafting a whole block: {whole['steps']}, "
+        f"{'identical' if whole['identical'] else 'NOT identical'}; the last steps before "
+        f"--max-new-tokens (z-lab drafts a shorter block there): {whole['tail_steps']}, "
+        f"{'identical' if whole['tail_identical'] else 'different'}"
+    )
     print_json(
         {
             "bench": "zlab-parity",

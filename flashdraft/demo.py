@@ -9,7 +9,7 @@ target. Prompts come from `chitchat-dataset` (real multi-turn chats) and `human-
   4. train      a drafter online against the frozen target
   5. eval       the trained drafter, same prompts
   6. eval       the reference drafter shipped in the repository (`REFERENCE_DRAFTER`, trained
-                by `bench/quality.py` on an H200), same prompts: what a full run gives
+                by `bench/quality.py` on a GPU), same prompts: what a full run gives
   7. export     serving format (done by train; checked by reloading)
 
 Every stage calls the library function its command calls; the training settings are the
@@ -58,12 +58,12 @@ from flashdraft.train.trainer import train
 
 log = get_logger(__name__)
 
-# The reference drafter: the SmolLM2-135M-Instruct run of `bench/quality.py` on an H200, as
+# The reference drafter: the SmolLM2-135M-Instruct run of `bench/quality.py` on a GPU, as
 # a dflash export. It ships with a source checkout, not with the wheel.
 REFERENCE_DRAFTER = (
     Path(__file__).resolve().parent.parent / "benchmarks" / "artifacts" / "smollm2-135m-dflash"
 )
-REFERENCE_NAME = "reference drafter (shipped, H200 run)"
+REFERENCE_NAME = "reference drafter (shipped, GPU run)"
 # Each drafter's report in the output directory, by its name in summary.json; the reference
 # one exists only when it was evaluated.
 REPORTS = {"untrained": "eval_untrained.json", "trained": "eval_trained.json"}

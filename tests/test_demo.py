@@ -80,7 +80,7 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys, monkeypatch) ->
         assert (out / path).exists(), path
     printed = capsys.readouterr().out
     assert "flashdraft demo: results" in printed and "untrained" in printed
-    assert "reference drafter (shipped, H200 run)" in printed
+    assert "reference drafter (shipped, GPU run)" in printed
     # A second run reuses every finished stage instead of redoing it.
     assert cli.main(["demo", *args]) == 0
     # An output the target would not have produced (and no near-tie explains) fails the demo.

@@ -377,8 +377,9 @@ def test_the_defaults_make_the_shipped_drafters_data(
     """`bench/quality.py all` with no option builds the prompts and answers the shipped
     drafter was trained on: the build-prompts settings equal the marker committed with its
     data (benchmarks/data/smollm2_reference_20261202), the generate and prepare settings the
-    markers of its run (s24), and the run `all` trains is that run's config (MLP 704, A =
-    2,048, 6 epochs, the target 10 rows ahead) but for the in-training evals it had off."""
+    markers of its run (`dpm6`, s36), and the run `all` trains is that run's config (MLP 704,
+    A = 2,048, D-PACE with half-argmax soft labels, 6 epochs, the target 10 rows ahead) but
+    for the in-training evals it had off."""
     import tarfile
 
     from flashdraft import config as cfg
@@ -394,21 +395,24 @@ def test_the_defaults_make_the_shipped_drafters_data(
         built = json.load(member)
     settings = {k: v for k, v in cfg.to_dict(pipeline.sources_config()).items() if k != "output"}
     assert settings == built["settings"]
-    raw = ROOT / "benchmarks/raw/quality_20261204_s24"
-    generated = json.loads((raw / "stages/generate-greedy.json").read_text())["settings"]
+    raw = ROOT / "benchmarks/raw/quality_20261205_s36"
+    generated = json.loads((raw / "calls/stages/generate-greedy.json").read_text())["settings"]
     [(name, sampling, seed)] = pipeline.passes()
     assert name == "greedy"
     assert {"prompts": config.prompts, "sampling": cfg.to_dict(sampling), "seed": seed} == generated
     # prepare: every default pass, the default turns and loops, as the marker the run used
     assert pipeline.prepare_marker == "prepare" and config.turns == "all"
-    prepared = json.loads((raw / "stages/prepare.json").read_text())["settings"]
+    prepared = json.loads((raw / "calls/stages/prepare.json").read_text())["settings"]
     assert set(prepared) == {name for name, _, _ in pipeline.passes()}
     # train: what `all` trains here is what the run trained, but for the device, the paths,
     # and the in-training evals it had off (eval.every=0)
     # (as this version reads it: keys added since the run, e.g. loss.argmax_mix, at their
     # defaults, which are the behaviour before them)
-    run = as_recorded_now(json.loads((raw / "runs/i704a2k6.run.json").read_text()))
+    run = as_recorded_now(json.loads((raw / "runs/dpm6/run.json").read_text()))
     here = cfg.to_dict(pipeline.run_config())
+    # (loss.gamma is the decay weighting's, unused under D-PACE: the run carried the preset's
+    # 7.0 of the time, the preset now leaves it unset)
+    assert run["loss"].pop("gamma") == 7.0 and here["loss"].pop("gamma") is None
     for section in ("drafter", "loss", "optim", "checkpoint", "seed", "compile"):
         assert here[section] == run[section], section
     for section, keys in (("target", ("forward_rows", "dtype", "compile", "compile_scope")),
@@ -417,7 +421,9 @@ def test_the_defaults_make_the_shipped_drafters_data(
             assert here[section][key] == run[section][key], (section, key)
     assert here["target"]["forward_rows"] == 10 and here["drafter"]["intermediate_size"] == 704
     assert (here["eval"]["every"], run["eval"]["every"]) == (5000, 0)
-    assert cfg.to_dict(smollm2_135m())["optim"] == run["optim"]
+    assert (here["loss"]["weighting"], here["loss"]["argmax_mix"]) == ("dpace", 0.5)
+    preset = cfg.to_dict(smollm2_135m())
+    assert preset["optim"] == run["optim"] and preset["loss"] == {**run["loss"], "gamma": None}
 
 
 def test_an_eval_pass_starts_when_half_again_the_longest_pass_fits(

@@ -22,17 +22,18 @@ def test_the_smollm2_135m_preset_is_the_shipped_toml() -> None:
 
 
 def test_the_reference_recipe_is_the_measured_one() -> None:
-    """Issue 18's recipe after the ablations of 2026-12-02 and 2026-12-04: 5 layers, B = 16,
-    A = 2048 anchors per 8192-token row (512 before), gamma 7, soft labels (top 32; the target's argmax before), and Muon
-    at 1e-3 with 1% warmup and a linear decay to 0 (AdamW 6e-4 cosine before)."""
+    """Issue 18's recipe after the ablations of 2026-12-02 to 2026-12-05: 5 layers, B = 16,
+    A = 2048 anchors per 8192-token row (512 before), soft labels (top 32; the target's
+    argmax before) with half the argmax mixed in under D-PACE slot weights (the decay, gamma
+    7, before s36), and Muon at 1e-3 with 1% warmup and a linear decay to 0 (AdamW 6e-4
+    cosine before)."""
     run = smollm2_135m(target="smol", datasets=("d",), output="o", eval_prompts="p", steps=7)
     assert (run.drafter.num_layers, run.drafter.block_size) == (5, 16)
-    assert (run.loss.anchors, run.loss.gamma, run.loss.labels) == (2048, 7.0, "soft")
-    assert run.loss.soft_top_k == 32
+    assert (run.loss.anchors, run.loss.labels, run.loss.soft_top_k) == (2048, "soft", 32)
+    assert (run.loss.weighting, run.loss.argmax_mix) == ("dpace", 0.5)
     assert run.data.row_tokens == 8192
     assert (run.optim.optimizer, run.optim.lr, run.optim.schedule) == ("muon", 1e-3, "linear")
     assert (run.optim.warmup_steps, run.optim.min_lr_ratio, run.optim.max_steps) == (139, 0, 7)
-    assert run.loss.weighting == "decay"
     assert (run.target.path, run.data.datasets, run.output) == ("smol", ["d"], "o")
     assert run.eval.every > 0 and run.eval.prompts == "p"
     assert RunSource(preset="smollm2-135m").load("optim.lr=2e-3").optim.lr == 2e-3
