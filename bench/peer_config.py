@@ -242,6 +242,7 @@ def flashdraft_overrides(flat: dict[str, Any], steps: int) -> list[str]:
         "loss.weighting=dpace",
         f"loss.dpace_alpha={flat['dpace_alpha']}",
         "loss.labels=target",
+        "loss.argmax_mix=0",  # hard labels, whatever share the preset mixes into soft ones
         "optim.optimizer=muon",
         f"optim.lr={flat['lr']}",
         f"optim.muon_momentum={flat['muon_momentum']}",

@@ -117,6 +117,16 @@ def _per_kind(evals: dict[str, Any], fmt: Any) -> str:
     return ", ".join(parts) if parts else "not measured"
 
 
+def _whole_blocks(parity: dict[str, Any]) -> str:
+    """What bench/zlab_parity.py found on the steps that draft a whole block (z-lab's loop
+    shortens the last blocks before the length limit), where a run recorded it."""
+    whole = parity.get("whole_blocks")
+    if whole is None:
+        return ""
+    verdict = "identical" if whole["identical"] else "NOT identical"
+    return f" (whole-block steps {verdict}: {whole['steps']})"
+
+
 def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
     """The markdown of benchmarks/quality_<hw>_<date>.md."""
     evals = {k: r for k, r in summary["evals"].items() if r is not None}
@@ -129,7 +139,10 @@ def render(summary: dict[str, Any], env: dict[str, Any], command: str) -> str:
         for k, r in evals.items()
         if r.get("zlab_reference", {}).get("tau")
     }
-    zlab = _per_kind(parity, lambda z: f"{z['tau'] / z.get('flashdraft_tau', z['eval_tau']):.3f}")
+    zlab = _per_kind(
+        parity,
+        lambda z: f"{z['tau'] / z.get('flashdraft_tau', z['eval_tau']):.3f}{_whole_blocks(z)}",
+    )
     numerics = "fp32" if all("flashdraft_tau" in z for z in parity.values()) else "bf16 eval"
     sampled = _per_kind(
         {k: r for k, r in summary["sampled"].items() if r is not None},

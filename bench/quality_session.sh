@@ -186,6 +186,12 @@
 #   call 1 (carry .whl/min .qcarry .gguf/partaa): one
 #   call 2 (carry .gguf/partab .icache): export ...; bash bench/quality_session.sh cache;
 #   TWO_STAGES=prepare two; ... multi
+#
+# 2026-12-05, thirty-sixth session (benchmarks/quality_h100_20261205_s36.md): the shipped
+# `dpm6` (13,878 steps alone on one H100, 69.9 ms each) as above: call 2 reached step 6,500,
+# call 3 (MULTI_BUDGET=560) 13,500, call 4 finished, exported and evaluated in 178 s. A
+# peer run carries .whl/peers instead of .icache in call 2 (partab + .whl/peers + .icache
+# and the tree make 68.1 MB, over the 64 MiB).
 set -u
 stage=${1:?one|part|cache|restore|two|more|peer|peereval|multi|ablate NAME KEY=VALUE...}
 OUT=${OUT:-/tmp/out}

@@ -286,10 +286,10 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     quality: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every `python bench/quality.py` line of the README is a valid command; the first is the
-    shipped drafter (the preset, nothing set); the two lines of the drafter shipped before it
-    train `ref6` at 512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the
-    slow smoke test runs a pruned start for real); the `pairs` lines run on the committed
-    records."""
+    shipped drafter (the preset, nothing set); the one shipped before it, `i704a2k6`, is the
+    preset with the loss of before s36; the two lines of the one before that train `ref6` at
+    512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the slow smoke test
+    runs a pruned start for real); the `pairs` lines run on the committed records."""
     readme = (ROOT / "README.md").read_text()
     lines = [
         line.split("#")[0].split()[2:]
@@ -304,6 +304,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
         parsed.setdefault(config.run, (stage, config, overrides))
     stage, shipped, overrides = parsed["reference"]
     assert stage == "all" and shipped.prune_from is None and overrides == []
+    stage, before, overrides = parsed["i704a2k6"]
+    assert stage == "all" and before.prune_from is None
+    assert overrides == ["loss.weighting=decay", "loss.argmax_mix=0", "eval.every=0"]
     stage, ref6, overrides = parsed["ref6"]
     assert stage == "all" and ref6.prune_from is None
     assert overrides == ["loss.anchors=512", "drafter.intermediate_size=1536"]
@@ -314,7 +317,7 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors) and s34's (the peer at its own 512, two
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`)
-    s29, s34 = [argv for argv in lines if argv[0] == "pairs"]
+    s29, s34, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
     stage, config, _ = quality.parse(s34)
     config = dataclasses.replace(config, bench_dir=str(tmp_path / "s34"))
@@ -357,6 +360,12 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "(23): 0/54 |" in copying and "| dpm | 451 | 0.95 |" in copying
     assert "| dps | 459 | 0.91 | 169/172 | 175/187 | 73/100 |" in copying
     assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
+    # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
+    stage, config, _ = quality.parse(s36)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s36"))
+    assert quality.run(stage, config, [])["runs"] == ["peer", "dpm6"]
+    md = next((tmp_path / "s36").glob("quality_*_pairs.md")).read_text()
+    assert "| dpm6 | 8.117 (1) | 1.014 [1.00-1.03] | 4.816 (1) | 1.094 [1.07-1.11] |" in md
     stage, config, _ = quality.parse(s29)
     config = dataclasses.replace(config, bench_dir=str(tmp_path))
     assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]

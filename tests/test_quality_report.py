@@ -57,6 +57,10 @@ def test_the_report_holds_the_measured_table_and_the_curve(
     # brings its own flashdraft tau.
     summary["evals"]["chat"]["zlab_reference"] = {"tau": 2.4, "flashdraft_tau": 2.4}
     assert "tau (fp32) | chat 1.000 |" in report.render(summary, env, "cmd")
+    # and, since s36, which of its steps drafting a whole block agree (z-lab shortens the rest)
+    whole = {"steps": 80, "identical": False, "tail_steps": 7, "tail_identical": False}
+    summary["evals"]["chat"]["zlab_reference"]["whole_blocks"] = whole
+    assert "chat 1.000 (whole-block steps NOT identical: 80) |" in report.render(summary, env, "")
     assert len(estimates) == 10 and estimates[2] == (245760, 1.3)  # the resumed step 30 wins
 
 

@@ -138,7 +138,7 @@ def smollm2_135m(
             optimizer="muon",
             lr=1e-3,
             schedule="linear",
-            warmup_steps=139,  # 1% of the 13,872 steps of 6 epochs
+            warmup_steps=139,  # 1% of the 13,878 steps of 6 epochs
             min_lr_ratio=0.0,
             epochs=6,
             max_steps=steps,
