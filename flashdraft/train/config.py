@@ -164,7 +164,7 @@ class LossSection:
                 "argmax_mix",
                 self.argmax_mix,
                 f"only with labels = 'soft' (labels = {self.labels!r} are one-hot already); "
-                "set loss.labels = 'soft' or leave argmax_mix at 0",
+                "set loss.labels = 'soft', or loss.argmax_mix = 0 (a preset may set it)",
             )
 
 

@@ -10,6 +10,7 @@ import pytest
 from flashdraft import cli
 from flashdraft import config as cfg
 from flashdraft.train.config import RunConfig, load_run_config, resume_changes, resume_safe_keys
+from flashdraft.train.presets import RunSource
 
 REQUIRED = ["output=x", "target.path=y", 'data.datasets=["z"]']
 
@@ -118,6 +119,11 @@ def test_the_argmax_mix_is_a_share_of_soft_labels_only() -> None:
     assert load_run_config(None, base).loss.argmax_mix == 0.0  # off unless asked for
     with pytest.raises(cfg.ConfigError, match=r"loss\.argmax_mix = 0\.5.*only with labels"):
         load_run_config(None, [*base, "loss.argmax_mix=0.5"])  # hard labels: nothing to mix
+    # the smollm2-135m preset mixes 0.5 in (s36): hard labels over it say which key to reset
+    preset = RunSource(preset="smollm2-135m")
+    with pytest.raises(cfg.ConfigError, match=r"or loss\.argmax_mix = 0 \(a preset may set it\)"):
+        preset.load("loss.labels=target")
+    assert preset.load("loss.labels=target", "loss.argmax_mix=0").loss.labels == "target"
     with pytest.raises(cfg.ConfigError, match=r"loss\.argmax_mix"):
         load_run_config(None, [*soft, "loss.argmax_mix=1.5"])
     assert "loss.argmax_mix" not in resume_safe_keys()  # it changes what is trained
