@@ -315,9 +315,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
-    # s29's (the peer given flashdraft's anchors) and s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`)
-    s29, s34, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s37's and s36's
+    s29, s34, s37, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
     stage, config, _ = quality.parse(s34)
     config = dataclasses.replace(config, bench_dir=str(tmp_path / "s34"))
@@ -360,6 +360,19 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "(23): 0/54 |" in copying and "| dpm | 451 | 0.95 |" in copying
     assert "| dps | 459 | 0.91 | 169/172 | 175/187 | 73/100 |" in copying
     assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
+    # s37's: the argmax shares 0.25 (`dpq`, H200) and 0 (`dps`) over the shipped 0.5 (`dpm`):
+    # chat at T = 0 falls with the share, T = 1 rises within its interval
+    stage, config, _ = quality.parse(s37)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s37"))
+    assert quality.run(stage, config, [])["runs"] == ["peer", "dpq", "dps"]
+    md = next((tmp_path / "s37").glob("quality_*_pairs.md")).read_text()
+    assert (
+        "| dpq | 7.058 (2) | 0.986 [0.97-1.00] | 3.016 (2) | 0.992 [0.98-1.01] "
+        "| 3.820 (2) | 0.986 [0.97-1.00] |"
+    ) in md
+    assert "| dps | 6.883 (2) | 0.962 [0.94-0.99] | 2.990 (2) | 0.984 [0.97-1.00] |" in md
+    assert "| dpq | 1.581 (2) | 1.017 [0.98-1.05] |" in md  # T = 1
+    assert "| dpq | 0.971-1.001 (4) | 0.971-1.014 (4) | 0.984-0.988 (4) |" in md
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     stage, config, _ = quality.parse(s36)
     config = dataclasses.replace(config, bench_dir=str(tmp_path / "s36"))
