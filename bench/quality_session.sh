@@ -139,6 +139,10 @@
 # after each call keep the ckpt_NAME.step_N.tgz.part* that came back (one folder per call);
 # if a call finds a fresh machine: one + cache, restore (carry .qckpt with the newest whole
 # checkpoint's parts, in two calls of <= 64 MiB), then two + multi as before.
+# 2026-12-05 (s37): a peer of PEERS named in SEND_CKPT comes back the same way (its state
+# saved at each call's deadline), so a peer run longer than one session's device time (the
+# peer at 6 epochs: ~1,320 device-s with its start) can go on in the next session: restore
+# there puts runs/NAME/resume back and the same PEERS line resumes from it.
 #
 # 2026-12-04, twenty-first session (benchmarks/quality_h200_20261204_s21.md): the call that
 # returned 64 MB of checkpoint parts was its machine's last (the next, sent at once, found a
@@ -330,7 +334,10 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
   # returning ~30 MB (an export) kept theirs. Copying the results back seems to run down the
   # machine's 30 s, so RETURN_BYTES defaults to 34 MB (2 parts a call): a 91 MB checkpoint
   # then lands whole every third call.
-  local name ckpt rel queue=${CKPT_QUEUE:-/tmp/ckpt_queue} room round part
+  # A peer recipe of PEERS (bench/peer_recipe.py) named in SEND_CKPT comes back the same way:
+  # its state saved at each call's deadline (OUT/resume: weights, optimizer, generators and
+  # progress, ~the size of a flashdraft checkpoint of its shape), labelled with its step.
+  local name ckpt rel label step depth queue=${CKPT_QUEUE:-/tmp/ckpt_queue} room round part
   for name in ${SEND_CKPT:-}; do  # finished: its export comes back instead
     [ -f "$RUN_DIR/runs/$name/export/config.json" ] && rm -rf "${queue:?}/$name"
   done
@@ -346,19 +353,30 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
       [ -f "$RUN_DIR/runs/$name/export/config.json" ] && continue
       ls "$queue/$name"/ckpt_* > /dev/null 2>&1 && continue  # the last one is still going
       ckpt=$(ls -d "$RUN_DIR/runs/$name/checkpoints"/step_*/COMPLETE 2> /dev/null | sort | tail -n 1)
-      [ -n "$ckpt" ] || continue
-      rel=$(dirname "${ckpt#"$RUN_DIR"/}")
-      ls "$OUT/ckpt_$name.$(basename "$rel").tgz.part"* > /dev/null 2>&1 && continue  # sent
+      if [ -n "$ckpt" ]; then
+        rel=$(dirname "${ckpt#"$RUN_DIR"/}") label=$(basename "$(dirname "$ckpt")") depth=
+      elif [ -f "$RUN_DIR/runs/$name/resume/progress.json" ]; then
+        # a peer recipe (PEERS, bench/peer_recipe.py): its state saved at the deadline in
+        # OUT/resume (swapped in whole), the step in its progress.json
+        rel=runs/$name/resume
+        step=$(python3 -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["step"]))' \
+          "$RUN_DIR/$rel/progress.json") || continue
+        label=step_$(printf %08d "$step") depth="-maxdepth 1"  # its state and top files only
+      else
+        continue
+      fi
+      ls "$OUT/ckpt_$name.$label.tgz.part"* > /dev/null 2>&1 && continue  # sent
       mkdir -p "$queue/$name"
       (cd "$RUN_DIR" && {
-        find "runs/$name" \( -path "runs/$name/checkpoints" -o -path "runs/$name/export" \
-          -o -path "runs/$name/eval" \) -prune -o -type f -print
+        # shellcheck disable=SC2086  # depth: no word or one option and its value
+        find "runs/$name" $depth \( -path "runs/$name/checkpoints" -o -path "runs/$name/export" \
+          -o -path "runs/$name/eval" -o -path "runs/$name/resume*" \) -prune -o -type f -print
         find "$rel" -type f
-        ls "runs/$name.run.json" "runs/$name.log" "stages/train-$name.json" 2> /dev/null
+        ls "runs/$name.run.json" "runs/$name.log" "stages/train-$name.json" 2> /dev/null \
+          || true  # a peer has none of them
       } > /tmp/ckpt_files.txt && tar cf - -T /tmp/ckpt_files.txt | gzip -1 \
-        | split -b "${CKPT_PART_BYTES:-16000000}" - \
-          "$queue/$name/ckpt_$name.$(basename "$rel").tgz.part")
-      echo "== $name: $rel queued ($(cat "$queue/$name"/ckpt_* | wc -c) bytes)"
+        | split -b "${CKPT_PART_BYTES:-16000000}" - "$queue/$name/ckpt_$name.$label.tgz.part")
+      echo "== $name: $rel ($label) queued ($(cat "$queue/$name"/ckpt_* | wc -c) bytes)"
     done
   done
 }
@@ -367,17 +385,18 @@ restore_checkpoints() {  # `restore`: carry [".qckpt"] (the ckpt_NAME.step_N.tgz
   # came back from the lost machine), in as many calls as the 64 MiB carry needs, after
   # `one`: the parts wait in /tmp/qckpt/; each run's newest checkpoint whose parts add up
   # (gzip's check) goes into the run folder, and the same `multi` as before resumes from it
-  local name prefix
-  mkdir -p /tmp/qckpt "$RUN_DIR" && cp .qckpt/ckpt_*.tgz.part* /tmp/qckpt/ 2> /dev/null
-  for name in $(ls /tmp/qckpt | sed -n 's/^ckpt_\(.*\)\.step_[0-9]*\.tgz\.part.*$/\1/p' | sort -u); do
-    for prefix in $(ls /tmp/qckpt | sed -n "s/^\(ckpt_$name\.step_[0-9]*\.tgz\)\.part.*$/\1/p" \
+  local name prefix label parts=${CKPT_PARTS:-/tmp/qckpt}  # where the carried parts gather
+  mkdir -p "$parts" "$RUN_DIR" && cp .qckpt/ckpt_*.tgz.part* "$parts/" 2> /dev/null
+  for name in $(ls "$parts" | sed -n 's/^ckpt_\(.*\)\.step_[0-9]*\.tgz\.part.*$/\1/p' | sort -u); do
+    for prefix in $(ls "$parts" | sed -n "s/^\(ckpt_$name\.step_[0-9]*\.tgz\)\.part.*$/\1/p" \
       | sort -u -r); do
-      if cat /tmp/qckpt/"$prefix".part* | gzip -t 2> /dev/null; then
-        cat /tmp/qckpt/"$prefix".part* | tar xzf - -C "$RUN_DIR" \
-          && echo "== $name: restored $(ls -d "$RUN_DIR/runs/$name/checkpoints"/step_*)"
+      if cat "$parts/$prefix".part* | gzip -t 2> /dev/null; then
+        label=${prefix#"ckpt_$name."}
+        cat "$parts/$prefix".part* | tar xzf - -C "$RUN_DIR" \
+          && echo "== $name: restored ${label%.tgz} into $RUN_DIR/runs/$name"
         break
       fi
-      echo "== $prefix: $(ls /tmp/qckpt/"$prefix".part* | wc -l) part(s) so far, not whole yet"
+      echo "== $prefix: $(ls "$parts/$prefix".part* | wc -l) part(s) so far, not whole yet"
     done
   done
 }

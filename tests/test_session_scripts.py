@@ -135,7 +135,7 @@ def test_a_checkpoint_sent_back_over_two_calls_restores_the_run_on_a_fresh_machi
     fresh = tmp_path / "fresh"
     carry = tmp_path / "repo" / ".qckpt"
     carry.mkdir(parents=True)
-    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(fresh)}
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(fresh), "CKPT_PARTS": str(tmp_path / "parts")}
     restore = f"{functions}restore_checkpoints"
     for part in [*sent[1], sent[2][1]]:  # the first carry call: not all parts of either
         shutil.copy(part, carry)
@@ -150,6 +150,64 @@ def test_a_checkpoint_sent_back_over_two_calls_restores_the_run_on_a_fresh_machi
     assert "r6: restored" in out and "step_00001000" in out, out
     got = {str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file()}
     expect = {k for k in files if "00000500" not in k and "00001500" not in k and "eval" not in k}
+    assert got == expect
+    assert all((fresh / k).read_text() == files[k] for k in expect)
+
+
+def test_a_peers_saved_state_comes_back_in_parts_and_restores_on_a_fresh_machine(
+    tmp_path: Path,
+) -> None:
+    """A peer recipe (PEERS) named in SEND_CKPT: its state saved at the call's deadline
+    (OUT/resume, bench/peer_state.py) comes back in parts labelled with the step of its
+    progress.json (the top-level one, not a history record's), with the files at the top of
+    its folder and none of its other folders or the earlier states a kill may leave
+    (resume.old, resume.new); `restore` puts it back whole where bench/peer_recipe.py resumes
+    from it (a real smoke peer cut, sent, restored and resumed gave the steps of one run in
+    one go: dev/LOG.md, s37). A finished peer (its export) sends nothing."""
+    functions = _functions("quality_session.sh", "send_checkpoints", "restore_checkpoints")
+    old = tmp_path / "old"
+    history = [{"step": s, "loss": 1.0 / s} for s in (20, 40)]
+    progress = json.dumps({"settings": {"seed": 1}, "step": 4820, "history": history})
+    files = {
+        "runs/peer6/run_config.json": "{}",
+        "runs/peer6/metrics.jsonl": "".join(json.dumps(r) + "\n" for r in history),
+        "runs/peer6/resume/progress.json": progress,
+        "runs/peer6/resume/optim.json": "{}",
+        "runs/peer6/resume/state.safetensors": os.urandom(30_000).hex(),
+        "runs/peer6/resume.old/progress.json": '{"step": 2000}',
+        "runs/peer6/resume.new/state.safetensors": "torn",
+        "runs/peer6/smoke/data/shard.bin": "inputs the next call rebuilds",
+        "runs/done/resume/progress.json": '{"step": 9}',
+        "runs/done/export/config.json": "{}",
+    }
+    for rel, text in files.items():
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_text(text)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        ["bash", "-c", f"{functions}send_checkpoints"],
+        env={"PATH": os.environ["PATH"], "RUN_DIR": str(old), "OUT": str(out),
+             "SEND_CKPT": "peer6 done", "CKPT_QUEUE": str(tmp_path / "queue"),
+             "CKPT_PART_BYTES": "20000", "RETURN_BYTES": "1000000"},
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    sent = sorted(p.name for p in out.iterdir())
+    assert sent == [f"ckpt_peer6.step_00004820.tgz.part{s}" for s in ("aa", "ab")], done
+    assert not list((tmp_path / "queue").rglob("ckpt_*"))  # all sent: room for them all
+    assert "runs/peer6/resume (step_00004820) queued" in done.stdout
+    carry = tmp_path / "repo" / ".qckpt"
+    shutil.copytree(out, carry)
+    fresh = tmp_path / "fresh"
+    restored = subprocess.run(
+        ["bash", "-c", f"{functions}restore_checkpoints"], cwd=carry.parent,
+        env={"PATH": "/usr/bin:/bin", "RUN_DIR": str(fresh), "CKPT_PARTS": str(tmp_path / "parts")},
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "peer6: restored step_00004820" in restored.stdout, restored
+    got = {str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file()}
+    expect = {f"runs/peer6/{k}" for k in ("run_config.json", "metrics.jsonl")}
+    expect |= {f"runs/peer6/resume/{k}" for k in ("progress.json", "optim.json", "state.safetensors")}
     assert got == expect
     assert all((fresh / k).read_text() == files[k] for k in expect)
 
