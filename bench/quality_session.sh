@@ -355,10 +355,13 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
       ckpt=$(ls -d "$RUN_DIR/runs/$name/checkpoints"/step_*/COMPLETE 2> /dev/null | sort | tail -n 1)
       if [ -n "$ckpt" ]; then
         rel=$(dirname "${ckpt#"$RUN_DIR"/}") label=$(basename "$(dirname "$ckpt")") depth=
-      elif [ -f "$RUN_DIR/runs/$name/resume/progress.json" ]; then
+      elif [ -f "$RUN_DIR/runs/$name/resume/progress.json" ] \
+        || [ -f "$RUN_DIR/runs/$name/resume.old/progress.json" ]; then
         # a peer recipe (PEERS, bench/peer_recipe.py): its state saved at the deadline in
-        # OUT/resume (swapped in whole), the step in its progress.json
+        # OUT/resume (swapped in whole; in resume.old if killed between the swap's renames,
+        # where it also resumes from), the step in its progress.json
         rel=runs/$name/resume
+        [ -f "$RUN_DIR/$rel/progress.json" ] || rel=$rel.old
         step=$(python3 -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["step"]))' \
           "$RUN_DIR/$rel/progress.json") || continue
         label=step_$(printf %08d "$step") depth="-maxdepth 1"  # its state and top files only
@@ -370,7 +373,7 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
       (cd "$RUN_DIR" && {
         # shellcheck disable=SC2086  # depth: no word or one option and its value
         find "runs/$name" $depth \( -path "runs/$name/checkpoints" -o -path "runs/$name/export" \
-          -o -path "runs/$name/eval" -o -path "runs/$name/resume*" \) -prune -o -type f -print
+          -o -path "runs/$name/eval" \) -prune -o -type f -print
         find "$rel" -type f
         ls "runs/$name.run.json" "runs/$name.log" "stages/train-$name.json" 2> /dev/null \
           || true  # a peer has none of them
@@ -383,7 +386,8 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
 
 restore_checkpoints() {  # `restore`: carry [".qckpt"] (the ckpt_NAME.step_N.tgz.part* that
   # came back from the lost machine), in as many calls as the 64 MiB carry needs, after
-  # `one`: the parts wait in /tmp/qckpt/; each run's newest checkpoint whose parts add up
+  # `one`: the parts wait in $CKPT_PARTS (/tmp/qckpt/); each run's newest checkpoint (a
+  # flashdraft run's, or a peer's saved state) whose parts add up
   # (gzip's check) goes into the run folder, and the same `multi` as before resumes from it
   local name prefix label parts=${CKPT_PARTS:-/tmp/qckpt}  # where the carried parts gather
   mkdir -p "$parts" "$RUN_DIR" && cp .qckpt/ckpt_*.tgz.part* "$parts/" 2> /dev/null

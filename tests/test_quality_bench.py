@@ -361,7 +361,7 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dps | 459 | 0.91 | 169/172 | 175/187 | 73/100 |" in copying
     assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
     # s37's: the argmax shares 0.25 (`dpq`, H200) and 0 (`dps`) over the shipped 0.5 (`dpm`):
-    # chat at T = 0 falls with the share, T = 1 rises within its interval
+    # chat at T = 0 rises with the share as point estimates, T = 1 falls within its interval
     stage, config, _ = quality.parse(s37)
     config = dataclasses.replace(config, bench_dir=str(tmp_path / "s37"))
     assert quality.run(stage, config, [])["runs"] == ["peer", "dpq", "dps"]

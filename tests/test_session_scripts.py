@@ -160,56 +160,90 @@ def test_a_peers_saved_state_comes_back_in_parts_and_restores_on_a_fresh_machine
     """A peer recipe (PEERS) named in SEND_CKPT: its state saved at the call's deadline
     (OUT/resume, bench/peer_state.py) comes back in parts labelled with the step of its
     progress.json (the top-level one, not a history record's), with the files at the top of
-    its folder and none of its other folders or the earlier states a kill may leave
-    (resume.old, resume.new); `restore` puts it back whole where bench/peer_recipe.py resumes
-    from it (a real smoke peer cut, sent, restored and resumed gave the steps of one run in
-    one go: dev/LOG.md, s37). A finished peer (its export) sends nothing."""
+    its folder and none of its other folders or the torn save a kill may leave (resume.new);
+    a state left in resume.old alone (a kill between the swap's renames, where the peer
+    resumes from too) comes back as resume.old. `restore` puts back the newest whole state
+    of each peer where bench/peer_recipe.py resumes from it (a real smoke peer cut, sent,
+    restored and resumed gave the steps of a run in one go: dev/LOG.md, s37). A finished
+    peer (its export) sends nothing."""
     functions = _functions("quality_session.sh", "send_checkpoints", "restore_checkpoints")
     old = tmp_path / "old"
     history = [{"step": s, "loss": 1.0 / s} for s in (20, 40)]
-    progress = json.dumps({"settings": {"seed": 1}, "step": 4820, "history": history})
+
+    def progress(step: int) -> str:
+        return json.dumps({"settings": {"seed": 1}, "step": step, "history": history})
+
     files = {
         "runs/peer6/run_config.json": "{}",
         "runs/peer6/metrics.jsonl": "".join(json.dumps(r) + "\n" for r in history),
-        "runs/peer6/resume/progress.json": progress,
+        "runs/peer6/resume/progress.json": progress(4820),
         "runs/peer6/resume/optim.json": "{}",
         "runs/peer6/resume/state.safetensors": os.urandom(30_000).hex(),
-        "runs/peer6/resume.old/progress.json": '{"step": 2000}',
+        "runs/peer6/resume.old/progress.json": progress(2000),
         "runs/peer6/resume.new/state.safetensors": "torn",
         "runs/peer6/smoke/data/shard.bin": "inputs the next call rebuilds",
-        "runs/done/resume/progress.json": '{"step": 9}',
+        "runs/cut/resume.old/progress.json": progress(7),
+        "runs/cut/resume.old/state.safetensors": "cut between the renames",
+        "runs/done/resume/progress.json": progress(9),
         "runs/done/export/config.json": "{}",
     }
-    for rel, text in files.items():
-        (old / rel).parent.mkdir(parents=True, exist_ok=True)
-        (old / rel).write_text(text)
-    out = tmp_path / "out"
-    out.mkdir()
-    done = subprocess.run(
-        ["bash", "-c", f"{functions}send_checkpoints"],
-        env={"PATH": os.environ["PATH"], "RUN_DIR": str(old), "OUT": str(out),
-             "SEND_CKPT": "peer6 done", "CKPT_QUEUE": str(tmp_path / "queue"),
-             "CKPT_PART_BYTES": "20000", "RETURN_BYTES": "1000000"},
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    sent = sorted(p.name for p in out.iterdir())
-    assert sent == [f"ckpt_peer6.step_00004820.tgz.part{s}" for s in ("aa", "ab")], done
+
+    def write(changes: dict[str, str]) -> None:
+        for rel, text in changes.items():
+            (old / rel).parent.mkdir(parents=True, exist_ok=True)
+            (old / rel).write_text(text)
+
+    def send(call: int) -> tuple[list[str], str]:
+        out = tmp_path / f"out{call}"
+        out.mkdir()
+        done = subprocess.run(
+            ["bash", "-c", f"{functions}send_checkpoints"],
+            env={"PATH": os.environ["PATH"], "RUN_DIR": str(old), "OUT": str(out),
+                 "SEND_CKPT": "peer6 cut done", "CKPT_QUEUE": str(tmp_path / "queue"),
+                 "CKPT_PART_BYTES": "20000", "RETURN_BYTES": "1000000"},
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        shutil.copytree(out, tmp_path / "repo" / ".qckpt", dirs_exist_ok=True)  # kept here
+        return sorted(p.name for p in out.iterdir()), done.stdout
+
+    write(files)
+    sent, said = send(1)
+    assert sent == [
+        "ckpt_cut.step_00000007.tgz.partaa",
+        *(f"ckpt_peer6.step_00004820.tgz.part{s}" for s in ("aa", "ab")),
+    ], said  # fmt: skip
     assert not list((tmp_path / "queue").rglob("ckpt_*"))  # all sent: room for them all
-    assert "runs/peer6/resume (step_00004820) queued" in done.stdout
-    carry = tmp_path / "repo" / ".qckpt"
-    shutil.copytree(out, carry)
+    assert "runs/peer6/resume (step_00004820) queued" in said
+    assert "runs/cut/resume.old (step_00000007) queued" in said
+    # the next call: the peer went on and saved a newer state, whose parts come back too
+    newer = {
+        "runs/peer6/resume/progress.json": progress(9640),
+        "runs/peer6/resume/state.safetensors": os.urandom(30_000).hex(),
+    }
+    write(newer)
+    files.update(newer)
+    sent, said = send(2)
+    assert [n for n in sent if "peer6" in n] == [
+        f"ckpt_peer6.step_00009640.tgz.part{s}" for s in ("aa", "ab")
+    ], said  # fmt: skip
     fresh = tmp_path / "fresh"
     restored = subprocess.run(
-        ["bash", "-c", f"{functions}restore_checkpoints"], cwd=carry.parent,
+        ["bash", "-c", f"{functions}restore_checkpoints"], cwd=tmp_path / "repo",
         env={"PATH": "/usr/bin:/bin", "RUN_DIR": str(fresh), "CKPT_PARTS": str(tmp_path / "parts")},
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    assert "peer6: restored step_00004820" in restored.stdout, restored
+    assert "peer6: restored step_00009640" in restored.stdout, restored
+    assert (
+        "step_00004820" not in restored.stdout and "cut: restored step_00000007" in restored.stdout
+    )
     got = {str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file()}
     expect = {f"runs/peer6/{k}" for k in ("run_config.json", "metrics.jsonl")}
-    expect |= {f"runs/peer6/resume/{k}" for k in ("progress.json", "optim.json", "state.safetensors")}
+    expect |= {
+        f"runs/peer6/resume/{k}" for k in ("progress.json", "optim.json", "state.safetensors")
+    }
+    expect |= {f"runs/cut/resume.old/{k}" for k in ("progress.json", "state.safetensors")}
     assert got == expect
-    assert all((fresh / k).read_text() == files[k] for k in expect)
+    assert all((fresh / k).read_text() == files[k] for k in expect)  # the newest state's
 
 
 def test_multi_in_sequence_starts_a_run_only_after_the_one_before_completes(
