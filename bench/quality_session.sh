@@ -354,7 +354,8 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
       ls "$queue/$name"/ckpt_* > /dev/null 2>&1 && continue  # the last one is still going
       ckpt=$(ls -d "$RUN_DIR/runs/$name/checkpoints"/step_*/COMPLETE 2> /dev/null | sort | tail -n 1)
       if [ -n "$ckpt" ]; then
-        rel=$(dirname "${ckpt#"$RUN_DIR"/}") label=$(basename "$(dirname "$ckpt")") depth=
+        rel=$(dirname "${ckpt#"$RUN_DIR"/}") depth=
+        label=$(basename "$rel")
       elif [ -f "$RUN_DIR/runs/$name/resume/progress.json" ] \
         || [ -f "$RUN_DIR/runs/$name/resume.old/progress.json" ]; then
         # a peer recipe (PEERS, bench/peer_recipe.py): its state saved at the deadline in

@@ -319,10 +319,16 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s37's and s36's
     s29, s34, s37, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
-    stage, config, _ = quality.parse(s34)
-    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s34"))
-    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe", "dpm", "dps", "peer2048"]
-    md = next((tmp_path / "s34").glob("quality_*_pairs.md")).read_text()
+
+    def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
+        """One README `pairs` line run into its own folder: its recipes and its report."""
+        stage, config, _ = quality.parse(argv)
+        config = dataclasses.replace(config, bench_dir=str(tmp_path / name))
+        runs = quality.run(stage, config, [])["runs"]
+        return runs, next((tmp_path / name).glob("quality_*_pairs.md")).read_text()
+
+    runs, md = pairs(s34, "s34")
+    assert runs == ["peer", "recipe", "dpm", "dps", "peer2048"]
     assert (
         "| recipe | 6.869 (2) | 0.996 [0.97-1.02] | 2.922 (2) | 1.069 [1.04-1.10] "
         "| 3.682 (2) | 1.053 [1.03-1.08] |"
@@ -362,10 +368,8 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
     # s37's: the argmax shares 0.25 (`dpq`, H200) and 0 (`dps`) over the shipped 0.5 (`dpm`):
     # chat at T = 0 rises with the share as point estimates, T = 1 falls within its interval
-    stage, config, _ = quality.parse(s37)
-    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s37"))
-    assert quality.run(stage, config, [])["runs"] == ["peer", "dpq", "dps"]
-    md = next((tmp_path / "s37").glob("quality_*_pairs.md")).read_text()
+    runs, md = pairs(s37, "s37")
+    assert runs == ["peer", "dpq", "dps"]
     assert (
         "| dpq | 7.058 (2) | 0.986 [0.97-1.00] | 3.016 (2) | 0.992 [0.98-1.01] "
         "| 3.820 (2) | 0.986 [0.97-1.00] |"
@@ -374,15 +378,11 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpq | 1.581 (2) | 1.017 [0.98-1.05] |" in md  # T = 1
     assert "| dpq | 0.971-1.001 (4) | 0.971-1.014 (4) | 0.984-0.988 (4) |" in md
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
-    stage, config, _ = quality.parse(s36)
-    config = dataclasses.replace(config, bench_dir=str(tmp_path / "s36"))
-    assert quality.run(stage, config, [])["runs"] == ["peer", "dpm6"]
-    md = next((tmp_path / "s36").glob("quality_*_pairs.md")).read_text()
+    runs, md = pairs(s36, "s36")
+    assert runs == ["peer", "dpm6"]
     assert "| dpm6 | 8.117 (1) | 1.014 [1.00-1.03] | 4.816 (1) | 1.094 [1.07-1.11] |" in md
-    stage, config, _ = quality.parse(s29)
-    config = dataclasses.replace(config, bench_dir=str(tmp_path))
-    assert quality.run(stage, config, [])["runs"] == ["peer", "recipe"]
-    md = next(tmp_path.glob("quality_*_pairs.md")).read_text()
+    runs, md = pairs(s29, "s29")
+    assert runs == ["peer", "recipe"]
     assert "| recipe | 6.869 (2) | 0.953 [0.92-0.98] | 2.922 (2) | 0.960 [0.93-0.99] |" in md
     assert "| recipe | 1.585 (2) | 1.092 [1.06-1.12] |" in md  # T = 1
     loops = md.split("Over the text before")[1].split("At T = 1")[0]
