@@ -316,8 +316,8 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s37's and s36's
-    s29, s34, s37, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's and s36's
+    s29, s34, s38, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -366,17 +366,24 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "(23): 0/54 |" in copying and "| dpm | 451 | 0.95 |" in copying
     assert "| dps | 459 | 0.91 | 169/172 | 175/187 | 73/100 |" in copying
     assert "| peer | 454 | 0.94 |" in copying and "| peer2048 | 446 | 0.98 |" in copying
-    # s37's: the argmax shares 0.25 (`dpq`, H200) and 0 (`dps`) over the shipped 0.5 (`dpm`):
-    # chat at T = 0 rises with the share as point estimates, T = 1 falls within its interval
-    runs, md = pairs(s37, "s37")
-    assert runs == ["peer", "dpq", "dps"]
+    # s38's: the argmax shares 0.75 (`dpa75`, H200), 0.25 (`dpq`, H200, s37) and 0 (`dps`)
+    # over the shipped 0.5 (`dpm`): chat at T = 0 flattens above 0.5, T = 1 falls with the share
+    runs, md = pairs(s38, "s38")
+    assert runs == ["peer", "dpa75", "dpq", "dps"]
+    assert (
+        "| dpa75 | 7.195 (2) | 1.005 [0.99-1.02] | 3.084 (2) | 1.014 [1.00-1.03] "
+        "| 3.904 (2) | 1.008 [0.99-1.02] |"
+    ) in md
     assert (
         "| dpq | 7.058 (2) | 0.986 [0.97-1.00] | 3.016 (2) | 0.992 [0.98-1.01] "
         "| 3.820 (2) | 0.986 [0.97-1.00] |"
     ) in md
     assert "| dps | 6.883 (2) | 0.962 [0.94-0.99] | 2.990 (2) | 0.984 [0.97-1.00] |" in md
-    assert "| dpq | 1.581 (2) | 1.017 [0.98-1.05] |" in md  # T = 1
+    assert "| dpa75 | 1.509 (2) | 0.971 [0.94-1.01] |" in md  # T = 1
+    assert "| dpq | 1.581 (2) | 1.017 [0.98-1.05] |" in md
+    assert "| dpa75 | 0.984-1.026 (4) | 0.990-1.040 (4) | 1.002-1.013 (4) |" in md
     assert "| dpq | 0.971-1.001 (4) | 0.971-1.014 (4) | 0.984-0.988 (4) |" in md
+    assert "| dpa75 | 0.967-0.974 (4) |" in md.split("Run by run at T = 1")[1]
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     runs, md = pairs(s36, "s36")
     assert runs == ["peer", "dpm6"]
