@@ -124,7 +124,7 @@ def smollm2_135m(
     decay with pure soft labels +4.2% / +4.0% / +5.2% and -1.9% at T = 1
     (quality_h100_20261205_s34), and over speculators' DFlash recipe at its own settings
     (A = 512, same data and steps) 1.04 / 1.11 / 1.11 and 1.08 at T = 1; argmax shares
-    0 / 0.25 / 0.75 over 0.5 give chat 0.96 / 0.99 / 1.005 and T = 1 1.02 / 1.02 / 0.97
+    0 / 0.25 / 0.75 over 0.5 give chat 0.962 / 0.986 / 1.005 and T = 1 1.02 / 1.02 / 0.97
     (quality_h200_20261206_s38). `steps` stops early (default: every epoch)."""
     return RunConfig(
         output=output,
