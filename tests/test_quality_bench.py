@@ -316,8 +316,8 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's and s36's
-    s29, s34, s38, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's and s36's
+    s29, s34, s38, s39, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -384,6 +384,18 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpa75 | 0.984-1.026 (4) | 0.990-1.040 (4) | 1.002-1.013 (4) |" in md
     assert "| dpq | 0.971-1.001 (4) | 0.971-1.014 (4) | 0.984-0.988 (4) |" in md
     assert "| dpa75 | 0.967-0.974 (4) |" in md.split("Run by run at T = 1")[1]
+    # s39's: Muon at lr 2e-3 (`dpl2`, one seed, H200) over the shipped 1e-3 (`dpm`, two
+    # seeds): up at T = 0 (HumanEval firmly), down at T = 1
+    runs, md = pairs(s39, "s39")
+    assert runs == ["peer", "dpl2"]
+    assert (
+        "| dpl2 | 7.348 (1) | 1.026 [0.99-1.06] | 3.202 (1) | 1.053 [1.03-1.08] "
+        "| 4.008 (1) | 1.034 [1.00-1.06] |"
+    ) in md
+    assert "| dpl2 | 2.599 (1) | 1.024 [0.95-1.08] |" in md  # before chat's loops
+    assert "| dpl2 | 1.521 (1) | 0.978 [0.95-1.01] |" in md  # T = 1
+    assert "| dpl2 | 1.016-1.037 (2) | 1.036-1.071 (2) | 1.032-1.036 (2) |" in md
+    assert "| dpl2 | 0.975-0.982 (2) |" in md.split("Run by run at T = 1")[1]
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     runs, md = pairs(s36, "s36")
     assert runs == ["peer", "dpm6"]
