@@ -385,7 +385,7 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpq | 0.971-1.001 (4) | 0.971-1.014 (4) | 0.984-0.988 (4) |" in md
     assert "| dpa75 | 0.967-0.974 (4) |" in md.split("Run by run at T = 1")[1]
     # s39's: Muon at lr 2e-3 (`dpl2`, one seed, H200) over the shipped 1e-3 (`dpm`, two
-    # seeds): up at T = 0 (HumanEval firmly), down at T = 1
+    # seeds): up at T = 0 (HumanEval's interval excludes 1), down at T = 1 (a point estimate)
     runs, md = pairs(s39, "s39")
     assert runs == ["peer", "dpl2"]
     assert (
