@@ -316,8 +316,8 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's and s36's
-    s29, s34, s38, s39, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's and s36's
+    s29, s34, s38, s39, s40, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -396,6 +396,19 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpl2 | 1.521 (1) | 0.978 [0.95-1.01] |" in md  # T = 1
     assert "| dpl2 | 1.016-1.037 (2) | 1.036-1.071 (2) | 1.032-1.036 (2) |" in md
     assert "| dpl2 | 0.975-0.982 (2) |" in md.split("Run by run at T = 1")[1]
+    # s40's: the shipped `dpm6` over the peer's recipe at the same 13,878 steps (`peer6`,
+    # both on an H100): ahead by more than 5% on code and at T = 1, not on chat
+    runs, md = pairs(s40, "s40")
+    assert runs == ["peer", "dpm6"]
+    assert (
+        "| dpm6 | 8.069 (1) | 1.031 [1.01-1.05] | 3.978 (1) | 1.124 [1.09-1.16] "
+        "| 4.960 (1) | 1.102 [1.07-1.13] |"
+    ) in md
+    assert "| peer | 7.830 (1) | — | 3.539 (1) | — | 4.499 (1) | — |" in md
+    assert "| dpm6 | 3.023 (1) | 1.037 [1.01-1.08] |" in md  # before chat's loops
+    assert "| dpm6 | 1.624 (1) | 1.126 [1.09-1.16] |" in md  # T = 1
+    copying = md.split("chat, T = 0, inside established loops")[1].split("\n\n")[1]
+    assert "| peer | 220 | 0.99 |" in copying and "| dpm6 | 216 | 1.00 |" in copying
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     runs, md = pairs(s36, "s36")
     assert runs == ["peer", "dpm6"]
