@@ -421,26 +421,14 @@ collect() {  # the small results of every run, and the export of finished ones
     (cd "$RUN_DIR" && tar cf - gen/*.jsonl stages/generate-*.json | xz -T0 -6 \
       | split -b 15000000 - "$OUT/gen.tar.xz.part") && touch "$RUN_DIR/gen.sent"
   fi
-  # The compile cache, once a training has compiled into it (checkpoints exist), if it fits
-  # the parts left in $OUT (8 files come back): keep the parts in .icache/ for `cache`.
-  [ -n "${SEND_CKPT:-}" ] && touch /tmp/inductor.sent  # its parts would not fit beside them
-  if ls -d "$RUN_DIR"/runs/*/checkpoints > /dev/null 2>&1 && [ ! -f /tmp/inductor.sent ] \
-    && [ -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
-    tar cf - -C /tmp inductor-cache | xz -T0 -6 > /tmp/inductor.tar.xz
-    if [ "$(stat -c %s /tmp/inductor.tar.xz)" -le 45000000 ]; then
-      split -b 15000000 /tmp/inductor.tar.xz "$OUT/inductor.tar.xz.part" && touch /tmp/inductor.sent
-    else
-      echo "inductor cache $(stat -c %s /tmp/inductor.tar.xz) bytes compressed: too big to send"
-    fi
-  fi
   if [ -n "${SEND_CKPT:-}" ]; then
     send_checkpoints
     (cd "$OUT" && ls | grep -v '\.part[a-z][a-z]$' | grep -vx results.tar > /tmp/results_files.txt
       [ -s /tmp/results_files.txt ] && tar cf results.tar -T /tmp/results_files.txt \
         && xargs rm -rf < /tmp/results_files.txt)
   fi
-  [ "${NO_EXPORT:-0}" = 1 ] && { ls -la "$OUT"; return; }  # ablations: 8 files come back
   for export in "$RUN_DIR"/runs/*/export; do
+    [ "${NO_EXPORT:-0}" = 1 ] && break  # ablations: 8 files come back
     [ -f "$export/config.json" ] || continue
     run=$(basename "$(dirname "$export")")
     # EXPORT_RUNS="a b": only these runs' exports (2 files of 15 MB each)
@@ -448,7 +436,32 @@ collect() {  # the small results of every run, and the export of finished ones
     # in parts of 15 MB: a file over 16 MiB does not come back from the device machine
     tar czf - -C "$(dirname "$export")" export | split -b 15000000 - "$OUT/export_$run.tgz.part"
   done
+  send_compile_cache
   ls -la "$OUT"
+}
+
+send_compile_cache() {  # the compile cache, once a machine, once a training has compiled into
+  # it (checkpoints exist): keep the parts in .icache/ for `cache` (a warm first step: ~24 s
+  # instead of 140-270 s). Parts of 15 MB (8 files come back), 45 MB at most. With SEND_CKPT
+  # not in a call that sent checkpoint parts, and only within RETURN_BYTES of what $OUT holds
+  # (s21: a call returning 64 MB was its machine's last), so a run carried over several calls
+  # sends it with its export, in its last call (s40: until then SEND_CKPT never sent it).
+  local sent=${INDUCTOR_SENT:-/tmp/inductor.sent} xz=${INDUCTOR_XZ:-/tmp/inductor.tar.xz}
+  local limit=45000000
+  [ -f "$sent" ] && return 0
+  ls -d "$RUN_DIR"/runs/*/checkpoints > /dev/null 2>&1 && [ -d "$TORCHINDUCTOR_CACHE_DIR" ] \
+    || return 0
+  if [ -n "${SEND_CKPT:-}" ]; then
+    ls "$OUT"/ckpt_*.part* > /dev/null 2>&1 && return 0  # the room is the checkpoint's
+    limit=$((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+  fi
+  tar cf - -C "$(dirname "$TORCHINDUCTOR_CACHE_DIR")" "$(basename "$TORCHINDUCTOR_CACHE_DIR")" \
+    | xz -T0 -6 > "$xz"
+  if [ "$(stat -c %s "$xz")" -le "$limit" ]; then
+    split -b 15000000 "$xz" "$OUT/inductor.tar.xz.part" && touch "$sent"
+  else
+    echo "inductor cache $(stat -c %s "$xz") bytes compressed: more than the $limit bytes left to send"
+  fi
 }
 
 need_one() {  # the stages that run on what `one` installed: on a fresh machine (the one that
