@@ -447,13 +447,15 @@ send_compile_cache() {  # the compile cache, once a machine, once a training has
   # (s21: a call returning 64 MB was its machine's last), so a run carried over several calls
   # sends it with its export, in its last call (s40: until then SEND_CKPT never sent it).
   local sent=${INDUCTOR_SENT:-/tmp/inductor.sent} xz=${INDUCTOR_XZ:-/tmp/inductor.tar.xz}
-  local limit=45000000
+  local limit=${INDUCTOR_MAX_BYTES:-45000000} room
   [ -f "$sent" ] && return 0
   ls -d "$RUN_DIR"/runs/*/checkpoints > /dev/null 2>&1 && [ -d "$TORCHINDUCTOR_CACHE_DIR" ] \
-    || return 0
+    || return 0  # a flashdraft run's (a peer's state is runs/NAME/resume: none from a peer alone)
   if [ -n "${SEND_CKPT:-}" ]; then
     ls "$OUT"/ckpt_*.part* > /dev/null 2>&1 && return 0  # the room is the checkpoint's
-    limit=$((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+    room=$((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+    [ "$room" -lt "$limit" ] && limit=$room
+    [ "$limit" -gt 0 ] || { echo "inductor cache: no room left in this call"; return 0; }
   fi
   tar cf - -C "$(dirname "$TORCHINDUCTOR_CACHE_DIR")" "$(basename "$TORCHINDUCTOR_CACHE_DIR")" \
     | xz -T0 -6 > "$xz"

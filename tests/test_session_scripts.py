@@ -250,10 +250,11 @@ def test_the_compile_cache_comes_back_once_with_a_carried_runs_export_not_beside
     tmp_path: Path,
 ) -> None:
     """`collect` sends the compile cache (inductor.tar.xz.part*, for `cache` in a later
-    session) once a training has compiled into it. Under SEND_CKPT not in a call whose return
-    is a checkpoint's, and only within RETURN_BYTES of what the call already returns: a run
+    session) once a machine, once a flashdraft training has compiled into it, and no larger
+    than INDUCTOR_MAX_BYTES (45 MB). Under SEND_CKPT not in a call whose return is a
+    checkpoint's, and only within RETURN_BYTES of what the call already returns: a run
     carried over calls sends it with its export, in its last call (until s40 a SEND_CKPT
-    session never sent it, and each fresh machine compiled cold). Once a machine."""
+    session never sent it, and each fresh machine compiled cold)."""
     functions = _functions(
         "quality_session.sh", "collect", "send_checkpoints", "send_compile_cache"
     )
@@ -266,47 +267,54 @@ def test_the_compile_cache_comes_back_once_with_a_carried_runs_export_not_beside
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    sent_marker = tmp_path / "inductor.sent"
 
-    def collect(call: str, return_bytes: int) -> tuple[list[str], str]:
+    def collect(call: str, machine: str, **env: str) -> tuple[list[str], str]:
         out = tmp_path / call
         out.mkdir()
         done = subprocess.run(
             ["bash", "-c", f"{functions}collect"],
             env={"PATH": os.environ["PATH"], "RUN_DIR": str(run), "OUT": str(out),
-                 "SEND_CKPT": "r6", "EXPORT_RUNS": "r6", "CKPT_QUEUE": str(tmp_path / "queue"),
-                 "CKPT_PART_BYTES": "20000", "RETURN_BYTES": str(return_bytes),
-                 "TORCHINDUCTOR_CACHE_DIR": str(cache), "INDUCTOR_SENT": str(sent_marker),
-                 "INDUCTOR_XZ": str(tmp_path / "inductor.tar.xz")},
+                 "CKPT_QUEUE": str(tmp_path / "queue"), "CKPT_PART_BYTES": "20000",
+                 "TORCHINDUCTOR_CACHE_DIR": str(cache),
+                 "INDUCTOR_SENT": str(tmp_path / f"{machine}.sent"),
+                 "INDUCTOR_XZ": str(tmp_path / "inductor.tar.xz"), **env},
             capture_output=True, text=True, timeout=60, check=True,
         )  # fmt: skip
         return sorted(p.name for p in out.iterdir()), done.stdout
 
-    # mid-run: the checkpoint fills the call's return, the cache waits
-    sent, said = collect("call1", 1_000_000)
-    assert [n for n in sent if n.startswith("ckpt_")] == [
-        "ckpt_r6.step_00000500.tgz.partaa", "ckpt_r6.step_00000500.tgz.partab"
-    ], said  # fmt: skip
-    assert not [n for n in sent if n.startswith("inductor")] and not sent_marker.exists()
-    # the run finished: its export comes back, and the cache only where it fits beside it
-    (run / "runs/r6/export").mkdir()
-    (run / "runs/r6/export/config.json").write_text("{}")
-    (run / "runs/r6/export/model.safetensors").write_bytes(os.urandom(25_000))
-    sent, said = collect("call2", 30_000)
-    assert "export_r6.tgz.partaa" in sent and not [n for n in sent if n.startswith("inductor")]
-    assert "bytes left to send" in said and not sent_marker.exists()
-    sent, said = collect("call3", 1_000_000)
-    assert sent == ["export_r6.tgz.partaa", "inductor.tar.xz.partaa", "results.tar"], said
+    def cache_sent(sent: list[str]) -> bool:
+        return any(n.startswith("inductor.tar.xz.part") for n in sent)
+
+    # without SEND_CKPT: once a machine, within the cap
+    sent, said = collect("plain1", "a", INDUCTOR_MAX_BYTES="1000")
+    assert not cache_sent(sent) and "more than the 1000 bytes" in said
+    sent, said = collect("plain2", "a")
+    assert cache_sent(sent), said
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
-    subprocess.run(["tar", "xJf", str(tmp_path / "call3" / "inductor.tar.xz.partaa"), "-C",
+    subprocess.run(["tar", "xJf", str(tmp_path / "plain2" / "inductor.tar.xz.partaa"), "-C",
                     str(unpacked)], check=True, timeout=60)  # fmt: skip
     assert {
         str(p.relative_to(unpacked / "inductor-cache")): p.read_bytes()
         for p in unpacked.rglob("*") if p.is_file()
     } == cached  # fmt: skip
-    sent, _ = collect("call4", 1_000_000)  # once a machine
-    assert not [n for n in sent if n.startswith("inductor")]
+    assert not cache_sent(collect("plain3", "a")[0])
+    # SEND_CKPT on another machine: mid-run the checkpoint fills the call's return
+    carried = {"SEND_CKPT": "r6", "EXPORT_RUNS": "r6", "RETURN_BYTES": "1000000"}
+    sent, said = collect("call1", "b", **carried)
+    assert [n for n in sent if n.startswith("ckpt_")] == [
+        "ckpt_r6.step_00000500.tgz.partaa", "ckpt_r6.step_00000500.tgz.partab"
+    ], said  # fmt: skip
+    assert not cache_sent(sent)
+    # the run finished: its export comes back, and the cache only where it fits beside it
+    (run / "runs/r6/export").mkdir()
+    (run / "runs/r6/export/config.json").write_text("{}")
+    (run / "runs/r6/export/model.safetensors").write_bytes(os.urandom(25_000))
+    sent, said = collect("call2", "b", **{**carried, "RETURN_BYTES": "30000"})
+    assert "export_r6.tgz.partaa" in sent and not cache_sent(sent) and "inductor cache" in said
+    sent, said = collect("call3", "b", **carried)
+    assert sent == ["export_r6.tgz.partaa", "inductor.tar.xz.partaa", "results.tar"], said
+    assert not cache_sent(collect("call4", "b", **carried)[0])  # once a machine
 
 
 def test_multi_in_sequence_starts_a_run_only_after_the_one_before_completes(
