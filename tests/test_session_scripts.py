@@ -312,6 +312,8 @@ def test_the_compile_cache_comes_back_once_with_a_carried_runs_export_not_beside
     (run / "runs/r6/export/model.safetensors").write_bytes(os.urandom(25_000))
     sent, said = collect("call2", "b", **{**carried, "RETURN_BYTES": "30000"})
     assert "export_r6.tgz.partaa" in sent and not cache_sent(sent) and "inductor cache" in said
+    sent, said = collect("call2b", "b", **carried, INDUCTOR_MAX_BYTES="1000")  # the cap too
+    assert not cache_sent(sent) and "more than the 1000 bytes" in said
     sent, said = collect("call3", "b", **carried)
     assert sent == ["export_r6.tgz.partaa", "inductor.tar.xz.partaa", "results.tar"], said
     assert not cache_sent(collect("call4", "b", **carried)[0])  # once a machine
