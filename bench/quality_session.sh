@@ -319,6 +319,11 @@ install_peer_wheels() {  # install_peer_wheels LOG: .whl/peers into PEER_SITE, i
   return 1
 }
 
+return_room() {  # the bytes this call may still return: RETURN_BYTES (34 MB, send_checkpoints
+  # says why) less what $OUT already holds
+  echo $((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+}
+
 send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over several calls. A
   # machine lost between calls (no call within 30 s of the last) loses the run; with this,
   # the newest complete checkpoint of each unfinished run comes back with the files its
@@ -342,7 +347,7 @@ send_checkpoints() {  # SEND_CKPT="NAME ...": insurance for a long run over seve
     [ -f "$RUN_DIR/runs/$name/export/config.json" ] && rm -rf "${queue:?}/$name"
   done
   for round in 1 2; do
-    room=$((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+    room=$(return_room)
     for part in $(ls "$queue"/*/ckpt_* 2> /dev/null | sort); do
       [ "$(stat -c %s "$part")" -le "$room" ] || break
       room=$((room - $(stat -c %s "$part")))
@@ -453,7 +458,7 @@ send_compile_cache() {  # the compile cache, once a machine, once a training has
     || return 0  # a flashdraft run's (a peer's state is runs/NAME/resume: none from a peer alone)
   if [ -n "${SEND_CKPT:-}" ]; then
     ls "$OUT"/ckpt_*.part* > /dev/null 2>&1 && return 0  # the room is the checkpoint's
-    room=$((${RETURN_BYTES:-34000000} - $(cat "$OUT"/* 2> /dev/null | wc -c)))
+    room=$(return_room)
     [ "$room" -lt "$limit" ] && limit=$room
     [ "$limit" -gt 0 ] || { echo "inductor cache: no room left in this call"; return 0; }
   fi

@@ -92,7 +92,9 @@ def test_a_checkpoint_sent_back_over_two_calls_restores_the_run_on_a_fresh_machi
     then the parts of its own newest checkpoint that fit. `restore`, with the parts carried in
     .qckpt/ over two calls, puts back the newest whole checkpoint and the files resuming
     reads, and nothing else (not older, incomplete or partly sent checkpoints, not evals)."""
-    functions = _functions("quality_session.sh", "send_checkpoints", "restore_checkpoints")
+    functions = _functions(
+        "quality_session.sh", "return_room", "send_checkpoints", "restore_checkpoints"
+    )
     old = tmp_path / "old"
     files = {
         "runs/r6/metrics.jsonl": '{"step": 20}\n',
@@ -166,7 +168,9 @@ def test_a_peers_saved_state_comes_back_in_parts_and_restores_on_a_fresh_machine
     of each peer where bench/peer_recipe.py resumes from it (a real smoke peer cut, sent,
     restored and resumed gave the steps of a run in one go: dev/LOG.md, s37). A finished
     peer (its export) sends nothing."""
-    functions = _functions("quality_session.sh", "send_checkpoints", "restore_checkpoints")
+    functions = _functions(
+        "quality_session.sh", "return_room", "send_checkpoints", "restore_checkpoints"
+    )
     old = tmp_path / "old"
     history = [{"step": s, "loss": 1.0 / s} for s in (20, 40)]
 
@@ -256,7 +260,7 @@ def test_the_compile_cache_comes_back_once_with_a_carried_runs_export_not_beside
     carried over calls sends it with its export, in its last call (until s40 a SEND_CKPT
     session never sent it, and each fresh machine compiled cold)."""
     functions = _functions(
-        "quality_session.sh", "collect", "send_checkpoints", "send_compile_cache"
+        "quality_session.sh", "collect", "return_room", "send_checkpoints", "send_compile_cache"
     )
     run = tmp_path / "run"
     cache = tmp_path / "inductor-cache"
