@@ -146,9 +146,14 @@ def curves(config: QualityConfig) -> dict[str, Any]:
     folders: dict[str, Path] = {}
     found = sorted(p.parent.name for p in (out / "runs").glob("*/metrics.jsonl"))
     for entry in config.runs or found:
-        folder, _, name = entry.partition("=")
-        path = Path(folder) if name else out / "runs" / folder
-        folders[name or folder] = path
+        name, sep, folder = entry.partition("=")
+        path = Path(folder) if sep else out / "runs" / name
+        if sep and (Path(name) / "metrics.jsonl").is_file() and not path.is_dir():
+            raise ValueError(
+                f"curves: --runs {entry!r}: the name comes first, as in pairs: "
+                f"{folder}={name} (DIR=NAME until s41)"
+            )
+        folders[name] = path
         if not (path / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{path / 'metrics.jsonl'}: no metrics for run {entry!r}")
     metrics = {name: read_metrics(path) for name, path in folders.items()}

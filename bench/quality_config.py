@@ -159,7 +159,7 @@ class QualityConfig:
     runs: list[str] = option(
         factory=list,
         help="compare, curves: the runs of OUT/runs side by side (default: every run); "
-        "curves also takes DIR=NAME, a run folder elsewhere (e.g. in benchmarks/raw/); "
+        "curves also takes NAME=DIR, a run folder elsewhere (e.g. in benchmarks/raw/); "
         "pairs: NAME=DIR[,DIR...], one recipe's runs (its seeds), pooled",
     )
     window: int = option(500, help="curves: steps per averaged window of tau_hat")

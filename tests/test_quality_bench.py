@@ -316,8 +316,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's and s36's
-    s29, s34, s38, s39, s40, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's
+    # and s36's
+    s29, s34, s38, s39, s40, s41, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -409,6 +410,17 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpm6 | 1.624 (1) | 1.126 [1.09-1.16] |" in md  # T = 1
     copying = md.split("chat, T = 0, inside established loops")[1].split("\n\n")[1]
     assert "| peer | 220 | 0.99 |" in copying and "| dpm6 | 216 | 1.00 |" in copying
+    # s41's: Muon at lr 2e-3 for 6 epochs (`dpl6`) beside the shipped `dpm6`, both over
+    # `peer6`: ahead on code and T = 1, chat under `dpm6`'s 1.031
+    runs, md = pairs(s41, "s41")
+    assert runs == ["peer", "dpl6", "dpm6"]
+    assert (
+        "| dpl6 | 7.967 (1) | 1.017 [1.00-1.04] | 4.012 (1) | 1.134 [1.09-1.18] "
+        "| 5.071 (1) | 1.127 [1.10-1.16] |"
+    ) in md
+    assert "| dpm6 | 8.069 (1) | 1.031 [1.01-1.05] |" in md
+    assert "| dpl6 | 2.977 (1) | 1.022 [0.99-1.05] |" in md  # before chat's loops
+    assert "| dpl6 | 1.639 (1) | 1.136 [1.08-1.19] |" in md  # T = 1
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     runs, md = pairs(s36, "s36")
     assert runs == ["peer", "dpm6"]

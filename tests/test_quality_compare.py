@@ -418,8 +418,9 @@ def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
     quality: ModuleType, tmp_path: Path
 ) -> None:
     """`bench/quality.py curves`: tau_hat averaged per window of steps for runs finished or
-    not (one stopped early shows — past its end), a run folder elsewhere by DIR=NAME, each
-    run over the first; a named run without metrics is a one-line error."""
+    not (one stopped early shows — past its end), a run folder elsewhere by NAME=DIR (as
+    in `pairs`), each run over the first; a named run without metrics, or the order before
+    s41 (DIR=NAME), is a one-line error."""
     out = tmp_path / "q"
     for name, taus in {"base": [2.0, 4.0, 5.0, 7.0], "wide": [3.0, 5.0]}.items():
         (out / "runs" / name).mkdir(parents=True)
@@ -430,7 +431,7 @@ def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
     (other / "metrics.jsonl").write_text(json.dumps({"step": 20, "tau_hat": 6.0}) + "\n")
     bench = tmp_path / "bench"
     argv = ["curves", "--output", str(out), "--bench-dir", str(bench), "--window", "20"]
-    _, config, _ = quality.parse([*argv, "--runs", "base", "wide", f"{other}=old"])
+    _, config, _ = quality.parse([*argv, "--runs", "base", "wide", f"old={other}"])
     result = quality.run("curves", config, [])
     assert result["runs"] == ["base", "wide", "old"]
     (md,) = bench.glob("quality_*_curves.md")
@@ -443,4 +444,10 @@ def test_curves_set_runs_training_estimates_side_by_side_at_matched_steps(
     assert quality.run("curves", config, [])["runs"] == ["base", "wide"]  # every run of OUT
     _, config, _ = quality.parse([*argv, "--runs", "gone"])
     with pytest.raises(FileNotFoundError, match="no metrics for run 'gone'"):
+        quality.run("curves", config, [])
+    _, config, _ = quality.parse([*argv, "--runs", f"old={tmp_path / 'raw' / 'gone'}"])
+    with pytest.raises(FileNotFoundError, match="no metrics for run 'old="):
+        quality.run("curves", config, [])
+    _, config, _ = quality.parse([*argv, "--runs", "base", f"{other}=old"])  # the old order
+    with pytest.raises(ValueError, match=f"the name comes first, as in pairs: old={other} "):
         quality.run("curves", config, [])
