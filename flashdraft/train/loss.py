@@ -100,10 +100,16 @@ def hard_label_chunk(
     total = (coef * (lse - picked)).sum()
     if not grad:
         return total, correct, None
-    # dCE/dlogits = softmax - onehot, times the row's coefficient, then back to z
-    g = torch.exp(logits - lse[:, None])
-    columns = torch.arange(g.shape[1], device=g.device)
-    g = torch.where(columns[None, :] == labels[:, None], g - 1.0, g) * coef[:, None]
+    # dCE/dlogits = softmax - onehot, times the row's coefficient, then back to z. In place
+    # where that is free: compiled, the graph is the same; eagerly (the CPU) each [n, V]
+    # temporary is a fresh allocation, and this chunk ran in half the time (2026-12-06)
+    g = (logits - lse[:, None]).exp_()
+    if torch.compiler.is_compiling():  # one fused kernel: the -1 rides along the exp
+        columns = torch.arange(g.shape[1], device=g.device)
+        g = torch.where(columns[None, :] == labels[:, None], g - 1.0, g)
+    else:  # one write per row, not three passes over [n, V]; the same values
+        g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
+    g.mul_(coef[:, None])
     return total, correct, _chunk_grad(g, logits, scale, softcap).to(z.dtype)
 
 
@@ -132,8 +138,8 @@ def soft_label_chunk(
     total = (coef * (cross + torch.special.xlogy(p, p).sum(dim=-1))).sum()
     if not grad:
         return total, correct, None
-    g = torch.exp(logits - lse[:, None]) * mass[:, None]
-    g = g.scatter_add(1, ids, -p) * coef[:, None]
+    g = (logits - lse[:, None]).exp_().mul_(mass[:, None])  # in place, as the hard chunk
+    g = g.scatter_add_(1, ids, -p).mul_(coef[:, None])
     return total, correct, _chunk_grad(g, logits, scale, softcap).to(z.dtype)
 
 

@@ -65,7 +65,8 @@ def _micro_batch(seed: int, config, rows: int = 1, anchors: int = 6):
 def test_the_compiled_hard_label_chunk_is_the_eager_one(device, scale, softcap) -> None:
     """CUDA runs `hard_label_chunk` compiled (inductor); it traces in one graph (no break)
     and gives the eager loss, argmax and gradient (the CPU checks the trace with aot_eager,
-    the GPU the real kernels, in bf16 as the trainer calls it)."""
+    exactly: the traced branch (a where over [n, V]) and the eager one (one write per row)
+    give the same values; the GPU the real kernels, in bf16 as the trainer calls it)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(3)
     z = (4 * torch.randn(37, 500, generator=gen)).to(device, dtype)
@@ -79,6 +80,8 @@ def test_the_compiled_hard_label_chunk_is_the_eager_one(device, scale, softcap) 
     assert torch.equal(got[1], want[1])
     assert got[2] is not None and want[2] is not None
     torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=1e-3)
+    if device == "cpu":  # aot_eager runs the traced branch's ops: the eager one's values
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert compiled(z, labels, coef, scale, softcap, False)[2] is None
 
 
@@ -101,6 +104,8 @@ def test_the_compiled_soft_label_chunk_is_the_eager_one(device, scale, softcap) 
     assert torch.equal(got[1], want[1])
     assert got[2] is not None and want[2] is not None
     torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=1e-3)
+    if device == "cpu":  # in place eagerly, out of place traced: the same values
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert compiled(z, labels, coef, ids, probs, scale, softcap, False)[2] is None
 
 
