@@ -143,10 +143,20 @@ def soft_label_chunk(
     return total, correct, _chunk_grad(g, logits, scale, softcap).to(z.dtype)
 
 
+def hard_label_log_q(z: Tensor, labels: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """log q [n] of each row's hard label from z = h @ W^T [n, V], in fp32: D-PACE's input,
+    before the chunk's loss (its coefficients need it). A pure function, compiled on CUDA
+    (`_LOG_Q`) as the chunks are: eagerly a bf16 chunk's fp32 logits are written out whole
+    and read again by each of logsumexp's kernels (not yet timed on a GPU, s41)."""
+    logits = _chunk_logits(z, scale, softcap)
+    return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
 # Compiled once at module scope (STYLE); one graph per chunk shape (a run has two: the chunk
 # and the last one).
 _HARD_CHUNK = torch.compile(hard_label_chunk, dynamic=False)
 _SOFT_CHUNK = torch.compile(soft_label_chunk, dynamic=False)
+_LOG_Q = torch.compile(hard_label_log_q, dynamic=False)
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -177,15 +187,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
         soft = soft_ids is not None and soft_probs is not None
         chunk = _HARD_CHUNK if hidden.is_cuda else hard_label_chunk
         soft_chunk = _SOFT_CHUNK if hidden.is_cuda else soft_label_chunk
+        log_q_of = _LOG_Q if hidden.is_cuda else hard_label_log_q
         scale, softcap = head.logit_scale, head.softcap
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
             y, c = labels[rows], coef[rows]
             z = hidden[rows] @ w.T
             if dpace is not None:  # W from the drafter's log q of the hard label, a constant
-                logits = _chunk_logits(z, scale, softcap)
-                log_q = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-                row_w[rows] = dpace_weights(log_q, c > 0, dpace)
+                row_w[rows] = dpace_weights(log_q_of(z, y, scale, softcap), c > 0, dpace)
                 c = c * row_w[rows]
             if soft:  # one fused pass per chunk (see `hard_label_chunk`)
                 assert soft_ids is not None and soft_probs is not None

@@ -11,6 +11,7 @@ from flashdraft.train.loss import (
     block_loss,
     dpace_weights,
     hard_label_chunk,
+    hard_label_log_q,
     head_cross_entropy,
     loss_normaliser,
     loss_slot_weights,
@@ -107,6 +108,32 @@ def test_the_compiled_soft_label_chunk_is_the_eager_one(device, scale, softcap) 
     if device == "cpu":  # in place eagerly, out of place traced: the same values
         assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert compiled(z, labels, coef, ids, probs, scale, softcap, False)[2] is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (1.3, 3.0)])
+def test_the_compiled_log_q_is_the_eager_one(device, scale, softcap) -> None:
+    """D-PACE's log q of the hard label, compiled on CUDA (`_LOG_Q`): one graph, the eager
+    values (exactly under aot_eager; to bf16's rounding with inductor's kernels), each
+    row's log-softmax at its label."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(5)
+    z = (4 * torch.randn(37, 500, generator=gen)).to(device, dtype)
+    labels = torch.randint(0, 500, (37,), generator=gen).to(device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(hard_label_log_q, backend=backend, fullgraph=True, dynamic=False)
+    want = hard_label_log_q(z, labels, scale, softcap)
+    got = compiled(z, labels, scale, softcap)
+    assert want.dtype == got.dtype == torch.float32 and want.shape == (37,)
+    logits = z.float() * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ref = logits.log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
+    torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-5)
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_loss_is_independent_of_the_micro_batch_split() -> None:
