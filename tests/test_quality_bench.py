@@ -421,6 +421,15 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpm6 | 8.069 (1) | 1.031 [1.01-1.05] |" in md
     assert "| dpl6 | 2.977 (1) | 1.022 [0.99-1.05] |" in md  # before chat's loops
     assert "| dpl6 | 1.639 (1) | 1.136 [1.08-1.19] |" in md  # T = 1
+    # the `curves` line: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
+    # and level by step 4,000, as the s41 record says
+    (curves,) = [argv for argv in lines if argv[0] == "curves"]
+    stage, config, _ = quality.parse(curves)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "c41"))
+    assert quality.run(stage, config, [])["runs"] == ["dpm6", "dpl6"]
+    md = next((tmp_path / "c41").glob("quality_*_curves.md")).read_text()
+    assert "| 1000 | 2.983 | 3.171 | 1.063 |" in md and "| 4000 | 7.077 | 7.101 | 1.003 |" in md
+    assert "| 14000 | 9.241 | 9.187 | 0.994 |" in md
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     runs, md = pairs(s36, "s36")
     assert runs == ["peer", "dpm6"]

@@ -92,7 +92,8 @@ def hard_label_chunk(
     (sum_i coef_i CE_i, argmax_i == label_i, dCE/dz x coef [n, V] in z's dtype when `grad`).
     A pure function of its inputs, so that CUDA runs it compiled (`_HARD_CHUNK`): the fp32
     logits then never exist, one read of z for the reductions and one for the gradient
-    (eagerly, ~10 kernels over [n, V] fp32: on a 135M target most of the LM head's time)."""
+    (eager CUDA ran ~10 kernels over [n, V] fp32: on a 135M target most of the LM head's
+    time). The CPU runs it eagerly, in place where the traced graph would not differ."""
     logits = _chunk_logits(z, scale, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, labels[:, None]).squeeze(1)
@@ -147,7 +148,7 @@ def hard_label_log_q(z: Tensor, labels: Tensor, scale: float, softcap: float | N
     """log q [n] of each row's hard label from z = h @ W^T [n, V], in fp32: D-PACE's input,
     before the chunk's loss (its coefficients need it). A pure function, compiled on CUDA
     (`_LOG_Q`) as the chunks are: eagerly a bf16 chunk's fp32 logits are written out whole
-    and read again by each of logsumexp's kernels (not yet timed on a GPU, s41)."""
+    and read again by each of logsumexp's kernels (s41: not yet run on a GPU)."""
     logits = _chunk_logits(z, scale, softcap)
     return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 

@@ -114,7 +114,7 @@ def test_the_compiled_soft_label_chunk_is_the_eager_one(device, scale, softcap) 
 @pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (1.3, 3.0)])
 def test_the_compiled_log_q_is_the_eager_one(device, scale, softcap) -> None:
     """D-PACE's log q of the hard label, compiled on CUDA (`_LOG_Q`): one graph, the eager
-    values (exactly under aot_eager; to bf16's rounding with inductor's kernels), each
+    values (exactly under aot_eager; to fp32 reduction order with inductor's kernels), each
     row's log-softmax at its label."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(5)
