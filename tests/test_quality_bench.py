@@ -316,9 +316,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert overrides == ["optim.epochs=2", "eval.every=0"]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
-    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's
-    # and s36's
-    s29, s34, s38, s39, s40, s41, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's,
+    # s42's and s36's
+    s29, s34, s38, s39, s40, s41, s42, s36 = [argv for argv in lines if argv[0] == "pairs"]
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -421,6 +421,21 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpm6 | 8.069 (1) | 1.031 [1.01-1.05] |" in md
     assert "| dpl6 | 2.977 (1) | 1.022 [0.99-1.05] |" in md  # before chat's loops
     assert "| dpl6 | 1.639 (1) | 1.136 [1.08-1.19] |" in md  # T = 1
+    # s42's: the preset's second seed (`dpm61`) beside `dpm6` and both pooled, over `peer6`:
+    # chat level with the peer, code and T = 1 ahead by 9-12%
+    runs, md = pairs(s42, "s42")
+    assert runs == ["peer", "dpm6", "dpm61", "dpm_both"]
+    assert (
+        "| dpm61 | 7.805 (1) | 0.997 [0.98-1.01] | 3.950 (1) | 1.116 [1.09-1.15] "
+        "| 4.912 (1) | 1.092 [1.06-1.12] |"
+    ) in md
+    assert (
+        "| dpm_both | 7.935 (2) | 1.013 [1.00-1.03] | 3.964 (2) | 1.120 [1.09-1.15] "
+        "| 4.936 (2) | 1.097 [1.07-1.12] |"
+    ) in md
+    assert "| dpm_both | 2.981 (2) | 1.023 [1.00-1.05] |" in md  # before chat's loops
+    assert "| dpm61 | 1.608 (1) | 1.115 [1.07-1.16] |" in md  # T = 1
+    assert "| dpm_both | 1.615 (2) | 1.120 [1.08-1.15] |" in md
     # the `curves` line: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
     # and level by step 4,000, as the s41 record says
     (curves,) = [argv for argv in lines if argv[0] == "curves"]
