@@ -20,12 +20,19 @@ log = get_logger("bench.quality")
 
 
 def supervise(
-    command: list[str], log_path: Path, run_dir: Path, budget: float | None, margin: float = 15.0
+    command: list[str],
+    log_path: Path,
+    run_dir: Path,
+    budget: float | None,
+    margin: float = 15.0,
+    finish_s: float = 5.0,
 ) -> bool:
     """Run `flashdraft train` to the end (True), or stop it just after the last checkpoint
     that leaves no time for another within `budget` seconds (False): nothing is lost, and
     `--resume` continues with the schedule of an unbroken run. Without a checkpoint in
-    sight it is stopped `margin` seconds before the budget ends."""
+    sight it is stopped `margin` seconds before the budget ends. `finish_s`: what the last
+    checkpoint and the export take after the last step (`dpm6`'s finishing call spent 13 s
+    outside its steps, process start-up included)."""
     started = time.monotonic()
     last_step, last_time, timed = _latest_step(run_dir), started, False
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,23 +44,27 @@ def supervise(
                 continue
             now, step = time.monotonic(), _latest_step(run_dir)
             left = budget - (now - started)
-            stop = left < margin
+            stop, ahead = left < margin, ""
             if step != last_step:  # a checkpoint just completed
                 # Time to the next one: measured between two checkpoints; for the first, the
                 # logged seconds per step (the wall time since the start would count the
                 # start-up and a cold compile, minutes, and stop far too early).
                 per_step = None if timed else _seconds_per_step(run_dir)
-                interval = (
-                    (step - last_step) * per_step if per_step is not None else now - last_time
-                )
+                since = step - last_step
+                interval = since * per_step if per_step is not None else now - last_time
                 last_step, last_time, timed = step, now, True
-                # After the last step's checkpoint only the export is left (seconds): a stop
-                # there sent a finished run's export to the next call (2026-12-02, m6)
-                stop = stop or (
-                    no_time_for_another(interval, left, margin) and not _is_final(run_dir, step)
-                )
+                # The end before another checkpoint: only its steps and the export are left.
+                # After the last step's checkpoint only the export is: a stop there sent a
+                # finished run's export to the next call (2026-12-02, m6)
+                to_go = _steps_to_go(run_dir, step)
+                if to_go is not None and to_go < since:
+                    interval = to_go * interval / since + finish_s
+                stop = stop or (to_go != 0 and no_time_for_another(interval, left, margin))
+                ahead = f"; the next save ~{interval:.0f} s away"
             if stop:
-                log.info(f"train: stopped at step {step} for the deadline ({left:.0f} s left)")
+                log.info(
+                    f"train: stopped at step {step} for the deadline ({left:.0f} s left{ahead})"
+                )
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout=30)
@@ -70,10 +81,10 @@ def supervise(
 def no_time_for_another(interval: float, left: float, margin: float) -> bool:
     """Whether a run just past a checkpoint should stop there: the next checkpoint, `interval`
     seconds away (20% spare), would not be written before the stop `margin` seconds before the
-    budget's end. Without the margin here a run went on and was stopped by it with the
-    steps since its checkpoint unsaved: s42's `dpm61`, stopped "at step 7,500 (15 s left)",
-    trained on for 20-30 s and lost those steps (its train stage outside the saved steps
-    45 s; 11-13 s in `dpm6`'s calls, which stopped at a checkpoint)."""
+    budget's end. Without the margin here a run could go on and be stopped by it with the
+    steps since its checkpoint unsaved. Inferred, not logged: s42's `dpm61` logged "stopped
+    at step 7500 for the deadline (15 s left)", the margin's stop, and its call spent 45.4 s
+    of the train stage outside the saved steps against 29.1 s in its finishing call."""
     return interval * 1.2 > left - margin
 
 
@@ -126,13 +137,14 @@ def _seconds_per_step(run_dir: Path, last: int = 10) -> float | None:
     return statistics.median(times[-last:]) if times else None
 
 
-def _is_final(run_dir: Path, step: int) -> bool:
-    """Whether checkpoint `step` of the run is its last step (its state.json says so)."""
+def _steps_to_go(run_dir: Path, step: int) -> int | None:
+    """The steps of the run after checkpoint `step` (its state.json says; None when it
+    cannot be read)."""
     try:
         state = json.loads(Path(step_dir(str(run_dir), step), "state.json").read_text())
-        return int(state["step"]) >= int(state["total_steps"])
+        return max(0, int(state["total_steps"]) - int(state["step"]))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return False
+        return None
 
 
 def _latest_step(run_dir: Path) -> int:

@@ -422,7 +422,7 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpl6 | 2.977 (1) | 1.022 [0.99-1.05] |" in md  # before chat's loops
     assert "| dpl6 | 1.639 (1) | 1.136 [1.08-1.19] |" in md  # T = 1
     # s42's: the preset's second seed (`dpm61`) beside `dpm6` and both pooled, over `peer6`:
-    # chat level with the peer, code and T = 1 ahead by 9-12%
+    # chat level with the peer's one seed, code and T = 1 ahead by 10-12% pooled
     runs, md = pairs(s42, "s42")
     assert runs == ["peer", "dpm6", "dpm61", "dpm_both"]
     assert (

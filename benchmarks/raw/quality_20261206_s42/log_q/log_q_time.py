@@ -1,7 +1,7 @@
 """D-PACE's log q of the hard label on CUDA: eager (before s41's `_LOG_Q`) against compiled,
 at the preset's chunk shape (2,040 rows = 136 blocks of 15 slots, V = 49,152, bf16 z), and
 a whole step's worth (15 such chunks + one of 120 rows, A = 2,048 anchors x 15 slots).
-Run: PYTHONPATH=$PWD python3 benchmarks/raw/quality_20261206_s42/log_q/log_q_time.py"""
+Run (s42 copied it to the repository root first): PYTHONPATH=$PWD python3 log_q_time.py"""
 
 import time
 
