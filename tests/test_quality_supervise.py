@@ -56,8 +56,8 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
     assert time.monotonic() - started < 5.0
     steps = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert 3 <= len(steps) <= 9 and not (run / "export").exists()
-    # It stopped right after a checkpoint: no step was lost.
-    assert time.time() - (run / "checkpoints" / steps[-1]).stat().st_mtime < 1.5
+    # (that no step is lost at the stop: `test_a_run_stopped_at_the_deadline_loses_no_step`;
+    # here every step is a checkpoint, so nothing could be)
     assert supervise(2, budget=None) is True  # the rest of the run, to its export
     with pytest.raises(RuntimeError, match="exited 3"):
         supervise(0, budget=None, code=3)
