@@ -61,7 +61,9 @@ from quality_compare import pairs_tables, peer_row, render_compare, run_row  # b
 from quality_config import SMOKE, STAGES, QualityConfig
 from quality_pipeline import Pipeline
 from quality_report import (
+    CURVE_MEASURES,
     collect,
+    curve_measure,
     hardware_name,
     plot_curves,
     read_metrics,
@@ -141,7 +143,9 @@ def curves(config: QualityConfig) -> dict[str, Any]:
     steps (windows of --window steps), the first run the baseline; for runs that stopped
     before their evals (a lost machine) or beside finished ones. Printed and written to
     BENCH_DIR/quality_<hw>_<date>_curves.md with a PNG. tau_hat is measured on the training
-    rows, so it says which recipe learns its data faster, not what held-out tau will be."""
+    rows, so it says which recipe learns its data faster, not what held-out tau will be.
+    Peer runs (bench/peer_recipe.py) log speculators' `eal` instead, on its own anchors:
+    curves compares peer runs with each other, and refuses to mix the two measures."""
     out = Path(config.output)
     folders: dict[str, Path] = {}
     found = sorted(p.parent.name for p in (out / "runs").glob("*/metrics.jsonl"))
@@ -157,13 +161,27 @@ def curves(config: QualityConfig) -> dict[str, Any]:
         if not (path / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{path / 'metrics.jsonl'}: no metrics for run {entry!r}")
     metrics = {name: read_metrics(path) for name, path in folders.items()}
-    table = render_curves(tau_hat_windows(metrics, config.window))
+    measures = {name: curve_measure(rows) for name, rows in metrics.items()}
+    for name, measure in measures.items():
+        if measure is None:
+            raise ValueError(
+                f"{folders[name] / 'metrics.jsonl'}: run {name!r} logs no training estimate "
+                f"({' or '.join(CURVE_MEASURES)}); curves reads flashdraft and peer runs"
+            )
+    key = measures[next(iter(measures))]
+    if len(set(measures.values())) > 1:
+        mixed = ", ".join(f"{n}: {CURVE_MEASURES[m]}" for n, m in measures.items())
+        raise ValueError(
+            f"curves: the runs log different training estimates ({mixed}), measured on "
+            "different anchors: compare flashdraft runs or peer runs, not both at once"
+        )
+    table = render_curves(tau_hat_windows(metrics, config.window, key))
     stem, env, command = reading_output(config, "curves")
-    Path(f"{stem}.png").write_bytes(plot_curves(metrics))
+    Path(f"{stem}.png").write_bytes(plot_curves(metrics, key))
     Path(f"{stem}.md").write_text(
-        f"# Training tau_hat at matched steps ({env['date']})\n\nCommand: `{command}`  \n"
-        f"Means over windows of {config.window} steps; the last columns: each run over "
-        f"the first. ![tau_hat]({stem.name}.png)\n\n{table}"
+        f"# Training {key} at matched steps ({env['date']})\n\nCommand: `{command}`  \n"
+        f"{CURVE_MEASURES[key]}, means over windows of {config.window} steps; the last "
+        f"columns: each run over the first. ![{key}]({stem.name}.png)\n\n{table}"
     )
     log.info(table)
     log.info(f"written: {stem}.md")

@@ -318,18 +318,28 @@ def _png(ax: Any) -> bytes:
     return buffer.getvalue()
 
 
+# The training estimate of tau a metrics.jsonl logs: flashdraft's `tau_hat`, or `eal`
+# (speculators' expected acceptance length at its own anchors) for a peer run.
+CURVE_MEASURES = {"tau_hat": "flashdraft's tau_hat", "eal": "speculators' eal"}
+
+
+def curve_measure(rows: list[dict[str, Any]]) -> str | None:
+    """The key of the training estimate these metrics records log (CURVE_MEASURES), or None."""
+    return next((key for key in CURVE_MEASURES if any(key in r for r in rows)), None)
+
+
 def tau_hat_windows(
-    metrics: dict[str, list[dict[str, Any]]], every: int
+    metrics: dict[str, list[dict[str, Any]]], every: int, key: str = "tau_hat"
 ) -> list[tuple[int, dict[str, float | None]]]:
-    """[(window end, {run: mean tau_hat of its records in (end - every, end]})]: the training
+    """[(window end, {run: mean KEY of its records in (end - every, end]})]: the training
     estimate of runs at matched steps, whether they finished or not (`curves`)."""
     last = max((int(r["step"]) for rows in metrics.values() for r in rows), default=0)
     windows = []
     for end in range(every, last + every, every):
         means: dict[str, float | None] = {}
         for run, rows in metrics.items():
-            taus = [float(r["tau_hat"]) for r in rows
-                    if "tau_hat" in r and end - every < int(r["step"]) <= end]  # fmt: skip
+            taus = [float(r[key]) for r in rows
+                    if key in r and end - every < int(r["step"]) <= end]  # fmt: skip
             means[run] = statistics.fmean(taus) if taus else None
         windows.append((end, means))
     return windows
@@ -350,16 +360,16 @@ def render_curves(windows: list[tuple[int, dict[str, float | None]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(metrics: dict[str, list[dict[str, Any]]]) -> bytes:
-    """PNG: tau_hat vs steps, one line per run."""
+def plot_curves(metrics: dict[str, list[dict[str, Any]]], key: str = "tau_hat") -> bytes:
+    """PNG: the training estimate KEY vs steps, one line per run."""
     ax = _axes()
     for run, rows in metrics.items():
-        points = [(int(r["step"]), float(r["tau_hat"])) for r in rows if "tau_hat" in r]
+        points = [(int(r["step"]), float(r[key])) for r in rows if key in r]
         if points:
             x, y = zip(*points, strict=True)
             ax.plot(x, y, linewidth=0.8, label=run)
     ax.set_xlabel("training steps")
-    ax.set_ylabel("tau_hat (training rows)")
+    ax.set_ylabel(f"{key} (training rows)")
     return _png(ax)
 
 
