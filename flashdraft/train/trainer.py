@@ -143,6 +143,8 @@ class Trainer:
         self.stopwatch = Stopwatch(self.device)
         # `held_out.on`: the same on every rank (logging is collective); the logger evaluates
         self.held_out = HeldOutEval(config, self.target, self.placement.is_logger, resuming)
+        self.timing: dict[str, float] = {}  # this process's time outside the set-up
+        self.saved = 0  # checkpoints this process wrote
         done = time.perf_counter()
         self.setup_s = {
             "plan and data": plan.planned_s,
@@ -340,6 +342,7 @@ class Trainer:
         return record
 
     def _checkpoint(self) -> None:
+        started = time.perf_counter()
         save_checkpoint(
             self.run_dir,
             self.step,
@@ -357,6 +360,11 @@ class Trainer:
         if self.logger is not None:
             self.logger.sync()
         dp_barrier(self.placement)
+        seconds = time.perf_counter() - started
+        self.timing["checkpoints"] = self.timing.get("checkpoints", 0.0) + seconds
+        self.saved += 1
+        if self.placement.is_logger:  # a run stopped for a deadline ends just after one
+            log.info(f"flashdraft train: checkpoint step {self.step} written in {seconds:.1f} s")
 
     def _progress_bar(self) -> Any:
         if not (self.placement.is_logger and self.config.log.progress):
@@ -369,6 +377,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         config = self.config
+        fit_started, first_step = time.perf_counter(), self.step
         progress = self._progress_bar()
         # The loader builds a whole group ahead of the target that runs ahead over it.
         prefetch = config.data.prefetch
@@ -406,6 +415,8 @@ class Trainer:
                 progress.update(1)
                 if compiling:
                     progress.set_description("train")
+            if self.step == first_step + 1:
+                self.timing["first step"] = time.perf_counter() - fit_started
             if compiling:  # what compilation cost, by side (issue 17: cold <= 60 s)
                 compiling = False
                 target, drafter = (self.stopwatch.seconds(k, keep=True) for k in PHASES)
@@ -435,8 +446,29 @@ class Trainer:
                 self._checkpoint()
         if progress is not None:
             progress.close()
+        looped = time.perf_counter() - fit_started
+        exported = time.perf_counter()
         self._export()
+        self.timing["export"] = time.perf_counter() - exported
+        if self.placement.is_logger:
+            log.info(self._time_spent(looped, self.step - first_step))
         return last_record
+
+    def _time_spent(self, looped: float, steps: int) -> str:
+        """Where this process's time went, set-up to export (a device call's start-up and
+        finish outside the steps, s42's open question). The steps' share is what is left of
+        the loop's time after the first step and the checkpoints, logging and in-training
+        evals included; the interpreter's start and imports come before the set-up."""
+        t = self.timing
+        first, saved = t.get("first step", 0.0), t.get("checkpoints", 0.0)
+        rest = max(0.0, looped - first - saved)
+        total = sum(self.setup_s.values()) + looped + t.get("export", 0.0)
+        return (
+            f"flashdraft train: {total:.1f} s from set-up to export: set up "
+            f"{sum(self.setup_s.values()):.1f} s, first step {first:.1f} s, "
+            f"{max(0, steps - 1)} more steps {rest:.1f} s, {self.saved} checkpoint(s) "
+            f"{saved:.1f} s, export {t.get('export', 0.0):.1f} s"
+        )
 
     def _export(self) -> None:
         """The serving-format drafter of the finished run, written and checked by reloading."""

@@ -310,6 +310,20 @@ def test_the_target_runs_ahead_in_groups_that_end_at_each_checkpoint() -> None:
     assert group_steps(4, 13, 4, 6, 0) == 2  # evals off
 
 
+def time_spent(more_steps: int, checkpoints: int) -> str:
+    """The pattern of the trainer's closing line on where its time went, its numbers grouped."""
+    return (
+        r"([\d.]+) s from set-up to export: set up ([\d.]+) s, first step ([\d.]+) s, "
+        rf"{more_steps} more steps ([\d.]+) s, {checkpoints} checkpoint\(s\) ([\d.]+) s, "
+        r"export ([\d.]+) s"
+    )
+
+
+def setup_total(out: str) -> float:
+    """The banner's set-up seconds."""
+    return float(re.search(r"set up in ([\d.]+) s:", out).group(1))
+
+
 def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, capsys
 ) -> None:
@@ -348,6 +362,13 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     assert setup is not None, out
     total, *pieces = (float(x) for x in setup.groups())  # each rounded to 0.1 s
     assert total > 0 and abs(total - sum(pieces)) <= 0.21
+    # and where the time after it went, checkpoint by checkpoint and in one line at the end
+    assert re.search(r"checkpoint step 3 written in [\d.]+ s", out)
+    assert re.search(r"checkpoint step 6 written in [\d.]+ s", out)
+    spent = re.search(time_spent(5, 2), out)
+    assert spent is not None, out
+    total, *pieces = (float(x) for x in spent.groups())
+    assert abs(total - sum(pieces)) <= 0.31 and pieces[0] == setup_total(out)
     assert prefetches == [2]
     assert groups == [2, 1, 2, 1]
     groups.clear()
@@ -358,6 +379,10 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
         == 0
     )
     assert groups == [2, 1, 2, 1]
+    out = capsys.readouterr().out  # the first part's three steps and the resumed three
+    assert re.search(time_spent(2, 1), out) and re.search(
+        time_spent(2, 1), out.split("resuming from")[-1]
+    )
 
     def curve(run) -> list[tuple]:
         return [(r["step"], r["loss"], r["tau_hat"], r["grad_norm"]) for r in read_metrics(run)]
