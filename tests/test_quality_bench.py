@@ -317,8 +317,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's,
-    # s42's and s36's
-    s29, s34, s38, s39, s40, s41, s42, s36 = [argv for argv in lines if argv[0] == "pairs"]
+    # s42's, s43's two and s36's
+    pairs_lines = [argv for argv in lines if argv[0] == "pairs"]
+    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s36 = pairs_lines
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -436,15 +437,48 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpm_both | 2.981 (2) | 1.023 [1.00-1.05] |" in md  # before chat's loops
     assert "| dpm61 | 1.608 (1) | 1.115 [1.07-1.16] |" in md  # T = 1
     assert "| dpm_both | 1.615 (2) | 1.120 [1.08-1.15] |" in md
-    # the `curves` line: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
-    # and level by step 4,000, as the s41 record says
-    (curves,) = [argv for argv in lines if argv[0] == "curves"]
+    # s43's: two seeds a side, the preset's alone and pooled over the peer's two pooled; chat
+    # over 1 but under 1.05, code and T = 1 over 1.05; and the peer's seed 1 over its seed 42
+    runs, md = pairs(s43, "s43")
+    assert runs == ["peer", "dpm6", "dpm61", "dpm"]
+    assert "| peer | 7.775 (2) | — | 3.529 (2) | — | 4.494 (2) | — |" in md
+    assert (
+        "| dpm | 7.935 (2) | 1.021 [1.01-1.03] | 3.964 (2) | 1.123 [1.09-1.15] "
+        "| 4.936 (2) | 1.098 [1.08-1.12] |"
+    ) in md
+    assert "| dpm | 2.981 (2) | 1.041 [1.02-1.06] |" in md  # before chat's loops
+    assert "| dpm | 1.615 (2) | 1.122 [1.09-1.15] |" in md  # T = 1
+    assert "| dpm6 | 8.069 (1) | 1.038 [1.02-1.05] |" in md
+    assert "| dpm61 | 7.805 (1) | 1.004 [0.99-1.02] |" in md
+    by_run = md.split("Run by run:")[1]
+    assert "| dpm | 0.997-1.045 (4) | 1.116-1.130 (4) | 1.092-1.105 (4) |" in by_run
+    copying = md.split("chat, T = 0, inside established loops")[1].split("\n\n")[1]
+    assert "| peer | 438 | 0.99 | 169/169 | 180/183 | 86/86 |" in copying
+    assert "| dpm | 439 | 0.99 | 170/170 | 179/183 | 86/86 |" in copying
+    runs, md = pairs(s43p, "s43p")
+    assert runs == ["peer", "peer61"]
+    assert (
+        "| peer61 | 7.721 (1) | 0.986 [0.97-1.01] | 3.520 (1) | 0.995 [0.98-1.02] "
+        "| 4.490 (1) | 0.998 [0.98-1.02] |"
+    ) in md
+    assert "| peer61 | 2.813 (1) | 0.965 [0.93-1.01] |" in md  # before chat's loops
+    assert "| peer61 | 1.436 (1) | 0.995 [0.96-1.03] |" in md  # T = 1
+    # the `curves` lines: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
+    # and level by step 4,000, as the s41 record says; the peer's two seeds by its eal (s43)
+    curves, peer_curves = [argv for argv in lines if argv[0] == "curves"]
     stage, config, _ = quality.parse(curves)
     config = dataclasses.replace(config, bench_dir=str(tmp_path / "c41"))
     assert quality.run(stage, config, [])["runs"] == ["dpm6", "dpl6"]
     md = next((tmp_path / "c41").glob("quality_*_curves.md")).read_text()
     assert "| 1000 | 2.983 | 3.171 | 1.063 |" in md and "| 4000 | 7.077 | 7.101 | 1.003 |" in md
     assert "| 14000 | 9.241 | 9.187 | 0.994 |" in md
+    stage, config, _ = quality.parse(peer_curves)
+    config = dataclasses.replace(config, bench_dir=str(tmp_path / "c43"))
+    assert quality.run(stage, config, [])["runs"] == ["peer6", "peer61"]
+    md = next((tmp_path / "c43").glob("quality_*_curves.md")).read_text()
+    assert md.startswith("# Training eal at matched steps")
+    assert "| 2000 | 5.202 | 5.084 | 0.977 |" in md and "| 3000 | 6.335 | 6.124 | 0.967 |" in md
+    assert "| 14000 | 8.962 | 8.902 | 0.993 |" in md
     # s36's: the shipped `dpm6` over `i704a2k6` on the CPU's 96 conversations and 96 files
     runs, md = pairs(s36, "s36")
     assert runs == ["peer", "dpm6"]
