@@ -160,15 +160,18 @@ def curves(config: QualityConfig) -> dict[str, Any]:
         folders[name] = path
         if not (path / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{path / 'metrics.jsonl'}: no metrics for run {entry!r}")
+    if not folders:
+        raise FileNotFoundError(f"{out / 'runs'}: no run with a metrics.jsonl; pass --runs")
     metrics = {name: read_metrics(path) for name, path in folders.items()}
-    measures = {name: curve_measure(rows) for name, rows in metrics.items()}
+    # A run lost before its first record has no measure yet: it shows dashes.
+    measures = {name: curve_measure(rows) for name, rows in metrics.items() if rows}
     for name, measure in measures.items():
         if measure is None:
             raise ValueError(
                 f"{folders[name] / 'metrics.jsonl'}: run {name!r} logs no training estimate "
                 f"({' or '.join(CURVE_MEASURES)}); curves reads flashdraft and peer runs"
             )
-    key = measures[next(iter(measures))]
+    key = next(iter(measures.values()), "tau_hat")
     if len(set(measures.values())) > 1:
         mixed = ", ".join(f"{n}: {CURVE_MEASURES[m]}" for n, m in measures.items())
         raise ValueError(

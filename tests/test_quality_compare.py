@@ -460,13 +460,15 @@ def test_curves_read_peer_runs_by_their_eal_and_refuse_to_mix_measures(
     """A peer run (bench/peer_recipe.py) logs speculators' `eal`, not `tau_hat`: `curves`
     compares peer runs by it (s43 read `peer61` beside `peer6` so; before, every cell was —),
     refuses a flashdraft run beside a peer run (two measures on different anchors), and
-    refuses metrics with neither, naming the file."""
+    refuses metrics with neither, naming the file; a run lost before its first record shows
+    dashes, and no run at all is a one-line error."""
     out = tmp_path / "q"
     runs = {
         "peer6": [{"eal": 2.0}, {"eal": 4.0}],
         "peer61": [{"eal": 3.0}, {"eal": 5.0}],
         "dpm6": [{"tau_hat": 3.0}],
         "bare": [{"loss": 1.0}],
+        "lost": [],  # a run lost before its first record
     }
     for name, records in runs.items():
         (out / "runs" / name).mkdir(parents=True)
@@ -474,14 +476,19 @@ def test_curves_read_peer_runs_by_their_eal_and_refuse_to_mix_measures(
         (out / "runs" / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     bench = tmp_path / "bench"
     argv = ["curves", "--output", str(out), "--bench-dir", str(bench), "--window", "20"]
-    _, config, _ = quality.parse([*argv, "--runs", "peer6", "peer61"])
-    assert quality.run("curves", config, [])["runs"] == ["peer6", "peer61"]
+    _, config, _ = quality.parse([*argv, "--runs", "peer6", "peer61", "lost"])
+    assert quality.run("curves", config, [])["runs"] == ["peer6", "peer61", "lost"]
     text = next(bench.glob("quality_*_curves.md")).read_text()
     assert text.startswith("# Training eal at matched steps") and "speculators' eal" in text
-    assert "| 20 | 3.000 | 4.000 | 1.333 |" in text
+    assert "| 20 | 3.000 | 4.000 | — | 1.333 | — |" in text
     _, config, _ = quality.parse([*argv, "--runs", "dpm6", "peer6"])
     with pytest.raises(ValueError, match="dpm6: flashdraft's tau_hat, peer6: speculators' eal"):
         quality.run("curves", config, [])
     _, config, _ = quality.parse([*argv, "--runs", "peer6", "bare"])
     with pytest.raises(ValueError, match=r"bare/metrics.jsonl: run 'bare' logs no training"):
+        quality.run("curves", config, [])
+    _, config, _ = quality.parse(
+        ["curves", "--output", str(tmp_path / "none"), "--bench-dir", str(bench)]
+    )
+    with pytest.raises(FileNotFoundError, match=r"no run with a metrics\.jsonl; pass --runs"):
         quality.run("curves", config, [])

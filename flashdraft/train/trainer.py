@@ -458,15 +458,20 @@ class Trainer:
         """Where this process's time went, set-up to export (a device call's start-up and
         finish outside the steps, s42's open question). The steps' share is what is left of
         the loop's time after the first step and the checkpoints, logging and in-training
-        evals included; the interpreter's start and imports come before the set-up."""
+        evals included; the interpreter's start and imports come before the set-up. On
+        several ranks a checkpoint's time includes the wait for the others at its barrier."""
         t = self.timing
         first, saved = t.get("first step", 0.0), t.get("checkpoints", 0.0)
         rest = max(0.0, looped - first - saved)
         total = sum(self.setup_s.values()) + looped + t.get("export", 0.0)
+        ran = (
+            f"first step {first:.1f} s, {steps - 1} more steps {rest:.1f} s"
+            if steps
+            else "no step left to run"  # resumed at its last step: only the export
+        )
         return (
             f"flashdraft train: {total:.1f} s from set-up to export: set up "
-            f"{sum(self.setup_s.values()):.1f} s, first step {first:.1f} s, "
-            f"{max(0, steps - 1)} more steps {rest:.1f} s, {self.saved} checkpoint(s) "
+            f"{sum(self.setup_s.values()):.1f} s, {ran}, {self.saved} checkpoint(s) "
             f"{saved:.1f} s, export {t.get('export', 0.0):.1f} s"
         )
 
