@@ -64,11 +64,11 @@ from quality_report import (
     CURVE_MEASURES,
     collect,
     curve_measure,
+    estimate_windows,
     hardware_name,
     plot_curves,
     read_metrics,
     render_curves,
-    tau_hat_windows,
     write_quality_report,
 )
 
@@ -178,7 +178,7 @@ def curves(config: QualityConfig) -> dict[str, Any]:
             f"curves: the runs log different training estimates ({mixed}), measured on "
             "different anchors: compare flashdraft runs or peer runs, not both at once"
         )
-    table = render_curves(tau_hat_windows(metrics, config.window, key))
+    table = render_curves(estimate_windows(metrics, config.window, key))
     stem, env, command = reading_output(config, "curves")
     Path(f"{stem}.png").write_bytes(plot_curves(metrics, key))
     Path(f"{stem}.md").write_text(

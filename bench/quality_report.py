@@ -328,7 +328,7 @@ def curve_measure(rows: list[dict[str, Any]]) -> str | None:
     return next((key for key in CURVE_MEASURES if any(key in r for r in rows)), None)
 
 
-def tau_hat_windows(
+def estimate_windows(
     metrics: dict[str, list[dict[str, Any]]], every: int, key: str = "tau_hat"
 ) -> list[tuple[int, dict[str, float | None]]]:
     """[(window end, {run: mean KEY of its records in (end - every, end]})]: the training

@@ -143,8 +143,7 @@ class Trainer:
         self.stopwatch = Stopwatch(self.device)
         # `held_out.on`: the same on every rank (logging is collective); the logger evaluates
         self.held_out = HeldOutEval(config, self.target, self.placement.is_logger, resuming)
-        self.timing: dict[str, float] = {}  # this process's time outside the set-up
-        self.saved = 0  # checkpoints this process wrote
+        self.saved, self.checkpoint_s = 0, 0.0  # checkpoints this process wrote, their time
         done = time.perf_counter()
         self.setup_s = {
             "plan and data": plan.planned_s,
@@ -361,8 +360,7 @@ class Trainer:
             self.logger.sync()
         dp_barrier(self.placement)
         seconds = time.perf_counter() - started
-        self.timing["checkpoints"] = self.timing.get("checkpoints", 0.0) + seconds
-        self.saved += 1
+        self.saved, self.checkpoint_s = self.saved + 1, self.checkpoint_s + seconds
         if self.placement.is_logger:  # a run stopped for a deadline ends just after one
             log.info(f"flashdraft train: checkpoint step {self.step} written in {seconds:.1f} s")
 
@@ -377,7 +375,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         config = self.config
-        fit_started, first_step = time.perf_counter(), self.step
+        fit_started, first_step, first_s = time.perf_counter(), self.step, 0.0
         progress = self._progress_bar()
         # The loader builds a whole group ahead of the target that runs ahead over it.
         prefetch = config.data.prefetch
@@ -416,12 +414,12 @@ class Trainer:
                 if compiling:
                     progress.set_description("train")
             if self.step == first_step + 1:
-                self.timing["first step"] = time.perf_counter() - fit_started
+                first_s = time.perf_counter() - fit_started
             if compiling:  # what compilation cost, by side (issue 17: cold <= 60 s)
                 compiling = False
                 target, drafter = (self.stopwatch.seconds(k, keep=True) for k in PHASES)
                 log.info(
-                    f"flashdraft train: first step {time.perf_counter() - interval.started:.1f} s"
+                    f"flashdraft train: first step {first_s:.1f} s"
                     f" with compilation (target {target:.1f} s, drafter {drafter:.1f} s)"
                 )
             checkpoint_now = (
@@ -446,33 +444,30 @@ class Trainer:
                 self._checkpoint()
         if progress is not None:
             progress.close()
-        looped = time.perf_counter() - fit_started
         exported = time.perf_counter()
         self._export()
-        self.timing["export"] = time.perf_counter() - exported
         if self.placement.is_logger:
-            log.info(self._time_spent(looped, self.step - first_step))
+            looped, export_s = exported - fit_started, time.perf_counter() - exported
+            log.info(self._time_spent(looped, self.step - first_step, first_s, export_s))
         return last_record
 
-    def _time_spent(self, looped: float, steps: int) -> str:
+    def _time_spent(self, looped: float, steps: int, first: float, export: float) -> str:
         """Where this process's time went, set-up to export (a device call's start-up and
         finish outside the steps, s42's open question). The steps' share is what is left of
         the loop's time after the first step and the checkpoints, logging and in-training
         evals included; the interpreter's start and imports come before the set-up. On
         several ranks a checkpoint's time includes the wait for the others at its barrier."""
-        t = self.timing
-        first, saved = t.get("first step", 0.0), t.get("checkpoints", 0.0)
-        rest = max(0.0, looped - first - saved)
-        total = sum(self.setup_s.values()) + looped + t.get("export", 0.0)
+        setup = sum(self.setup_s.values())
+        rest = max(0.0, looped - first - self.checkpoint_s)
         ran = (
             f"first step {first:.1f} s, {steps - 1} more steps {rest:.1f} s"
             if steps
             else "no step left to run"  # resumed at its last step: only the export
         )
         return (
-            f"flashdraft train: {total:.1f} s from set-up to export: set up "
-            f"{sum(self.setup_s.values()):.1f} s, {ran}, {self.saved} checkpoint(s) "
-            f"{saved:.1f} s, export {t.get('export', 0.0):.1f} s"
+            f"flashdraft train: {setup + looped + export:.1f} s from set-up to export: set up "
+            f"{setup:.1f} s, {ran}, {self.saved} checkpoint(s) {self.checkpoint_s:.1f} s, "
+            f"export {export:.1f} s"
         )
 
     def _export(self) -> None:
