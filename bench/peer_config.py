@@ -29,6 +29,10 @@ SMOKE_RUN = [
     "loss.chunk_rows=256",
     "data.row_tokens=512",
 ]
+# The drafter settings `--drafter` may change: the shape, which speculators' DFlashDraftModel
+# builds from the same config (its layers' Qwen3 config, its fc over the taps). The others
+# (block size, mask token, sliding layers, warm start, residual dtype) it does not follow.
+SHAPE_KEYS = ("num_layers", "intermediate_size", "target_layer_ids")
 # speculators' settings recorded in the report and in the training marker.
 SETTINGS = (
     "optimizer", "lr", "weight_decay", "muon_lr", "muon_momentum", "muon_weight_decay",
@@ -67,6 +71,14 @@ class PeerRecipeConfig:
         help="speculators' seed (its init weights and anchor draws; default: its own, 42); "
         "another seed measures the peer's own seed noise (the rows stay the flashdraft run's)",
     )
+    drafter: list[str] = option(
+        factory=list,
+        metavar="KEY=VALUE",
+        help="the drafter's shape instead of the preset's, as a quality run's `--set "
+        f"drafter.KEY=VALUE` sets it ({', '.join(SHAPE_KEYS)}), e.g. num_layers=7 "
+        "intermediate_size=352 target_layer_ids=[1,8,14,20,27]: the peer then trains the "
+        "shape of that run (s44's depth for width)",
+    )
     output: str = option("peer-recipe", metavar="DIR", help="every output goes here")
     eval_prompts: list[str] = option(
         factory=list,
@@ -104,6 +116,13 @@ class PeerRecipeConfig:
         cfg.validate(self)
         if self.data is None and not self.smoke:
             raise ValueError("--data is required (the prepared dataset), unless --smoke")
+        for item in self.drafter:
+            key, sep, _ = item.partition("=")
+            if not sep or key not in SHAPE_KEYS:
+                raise ValueError(
+                    f"--drafter {item!r}: expected KEY=VALUE with KEY one of "
+                    f"{', '.join(SHAPE_KEYS)} (the shape both recipes can train)"
+                )
 
 
 # ---- speculators' recommended settings --------------------------------------------------
@@ -263,11 +282,13 @@ def flashdraft_overrides(flat: dict[str, Any], steps: int) -> list[str]:
 def run_config(config: PeerRecipeConfig, data: str, target: str, device: str) -> RunConfig:
     """The flashdraft run whose data and features the peer trains on: the `smollm2-135m`
     preset as bench/quality.py's train stage builds it (no in-training eval: speculators'
-    Trainer has none; the held-out eval runs after training)."""
+    Trainer has none; the held-out eval runs after training), `--epochs` and `--drafter`
+    applied as that run's `--set optim.epochs=N` and `--set drafter.KEY=VALUE`."""
     preset = smollm2_135m(target=target, datasets=(data,), output=config.output, steps=config.steps)
     overrides = [f'device="{device}"', "log.progress=false", "eval.every=0"]
     overrides += [f"optim.epochs={config.epochs}"] if config.epochs else []
     overrides += SMOKE_RUN if config.smoke else []
+    overrides += [f"drafter.{item}" for item in config.drafter]
     run: RunConfig = cfg.build(RunConfig, cfg.apply_overrides(preset.to_dict(), overrides))
     return run
 
@@ -342,8 +363,9 @@ def caveats(flat: dict[str, Any], run: RunConfig) -> list[str]:
         "Layer ids: speculators' aux_hidden_state_layer_ids are z-lab ids + 1 (vLLM's "
         "convention); the same target layers are tapped, and the dflash export carries z-lab "
         "ids.",
-        "Geometry and length: the preset drafter's (layers, taps, mask token chosen by "
-        "flashdraft), not speculators' defaults (5 layers, taps [2, L/2, L-3], mask token from "
+        f"Geometry and length: the flashdraft run's drafter ({run.drafter.num_layers} layers, "
+        f"MLP {run.drafter.intermediate_size or 'of the target'}, its taps, mask token chosen "
+        "by flashdraft), not speculators' defaults (5 layers, taps [2, L/2, L-3], mask token from "
         f"its tokenizer resolution); speculators' {flat['epochs']} epochs are replaced by the "
         "flashdraft run's steps, one packed row per step as both trainers take it.",
         "Init and RNG: speculators' post_init weights under its seed; flashdraft's data order "

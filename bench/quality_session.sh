@@ -612,6 +612,8 @@ multi)
   # then be empty), each peer_and_eval with PEER_NAME=NAME, PEER_ARGS=FLAGS and its own logs
   # (multi/NAME.txt, multi/NAME_eval.txt), e.g. two seeds of the peer at its own anchors:
   # PEERS="peer-a512 --epochs 2 --anchors 512;peer-a512s1 --epochs 2 --anchors 512 --seed 1"
+  # or the peer at another drafter shape, as an ablation's `drafter.*` words set it (s44):
+  # PEERS="peer7 --epochs 2 --anchors 512 --drafter num_layers=7 intermediate_size=352 target_layer_ids=[1,8,14,20,27]"
   # every name is a run folder (RUN_DIR/runs/NAME) and a log (multi/NAME.txt): one each
   taken=(peer_wheels "${PEER_LOG:-peer}")
   for spec in "${specs[@]}"; do read -ra words <<< "$spec"; taken+=("${words[@]:0:1}"); done

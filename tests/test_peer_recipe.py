@@ -108,6 +108,53 @@ def test_peer_epochs_give_the_run_of_an_epochs_ablation(
     assert runs[2] == ours
 
 
+def test_the_peers_drafter_shape_is_the_shape_ablations(
+    bench: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """`--drafter num_layers=7 intermediate_size=352 target_layer_ids=[...]` builds the run a
+    quality ablation with the same words under `--set drafter.` trains (s44's `l7m352`), so
+    the peer trains that shape over the same rows and taps (speculators' ids one up); a key
+    outside the shape, or a word without `=`, is a one-line error naming it."""
+    import torch
+
+    common = ["--target", "/models/smol", "--device", "cpu"]
+    shape = ["num_layers=7", "intermediate_size=352", "target_layer_ids=[1,8,14,20,27]"]
+    sets = [word for item in shape for word in ("--set", f"drafter.{item}")]
+    argv = ["train", "--output", str(tmp_path), *common, "--set", "optim.epochs=2", *sets]
+    _, quality_config, overrides = bench["quality"].parse(argv)
+    ours = bench["quality"].Pipeline(quality_config, overrides).run_config().to_dict()
+    peer = bench["peer_config"]
+    config = bench["peer_recipe"].parse(
+        ["--data", str(tmp_path / "data"), "--output", "o", *common, "--epochs", "2",
+         "--drafter", *shape]
+    )  # fmt: skip
+    assert config.data is not None
+    run = peer.run_config(config, config.data, "/models/smol", "cpu")
+    theirs = run.to_dict()
+    assert (theirs["drafter"]["num_layers"], theirs["drafter"]["intermediate_size"]) == (7, 352)
+    for one in (ours, theirs):
+        del one["output"], one["eval"]
+    assert theirs == ours
+    preset = peer.run_config(
+        bench["peer_recipe"].parse(["--data", "d", "--output", "o", *common]), "d", "/m", "cpu"
+    )
+    assert (preset.drafter.num_layers, preset.drafter.intermediate_size) == (5, 704)
+    from types import SimpleNamespace
+
+    drafter = SimpleNamespace(
+        num_hidden_layers=7, block_size=16, target_layer_ids=[1, 8, 14, 20, 27],
+        mask_token_id=16, vocab_size=10,
+    )  # fmt: skip
+    flat = peer.peer_overrides(config, run, drafter, torch.device("cpu"))
+    assert (flat["num_layers"], flat["target_layer_ids"]) == (7, [2, 9, 15, 21, 28])
+    for bad in ("block_size=8", "num_layers"):
+        with pytest.raises(SystemExit):
+            bench["peer_recipe"].parse(["--data", "d", "--output", "o", "--drafter", bad])
+    speculators_oracle()  # the report says which shape the peer trained
+    lines = peer.caveats({**peer.speculators_settings(), "epochs": 20}, run)
+    assert any("the flashdraft run's drafter (7 layers, MLP 352," in line for line in lines)
+
+
 def test_the_peers_anchors_are_the_runs_unless_given(
     bench: dict[str, ModuleType], tmp_path: Path
 ) -> None:

@@ -314,12 +314,21 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert stage == "all" and (pruned.prune_from, pruned.prune_width) == ("ref6", 704)
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
     assert overrides == ["optim.epochs=2", "eval.every=0"]
+    stage, deeper, overrides = parsed["l7m352"]  # s44: 7 layers, the preset's five taps pinned
+    assert stage == "all" and deeper.prune_from is None
+    assert overrides == [
+        "optim.epochs=2",
+        "drafter.num_layers=7",
+        "drafter.intermediate_size=352",
+        "drafter.target_layer_ids=[1,8,14,20,27]",
+        "eval.every=0",
+    ]
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's,
-    # s42's, s43's two and s36's
+    # s42's, s43's two, s44's and s36's
     pairs_lines = [argv for argv in lines if argv[0] == "pairs"]
-    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s36 = pairs_lines
+    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s36 = pairs_lines
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -463,6 +472,21 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     ) in md
     assert "| peer61 | 2.813 (1) | 0.965 [0.93-1.01] |" in md  # before chat's loops
     assert "| peer61 | 1.436 (1) | 0.995 [0.96-1.03] |" in md  # T = 1
+    # s44's: depth for width at the same bytes (2 epochs, one seed a shape): 7 x 352 and 6 x
+    # 512 over the peer beside the preset's 5 x 704; chat over 1.05 only at 7 x 352
+    runs, md = pairs(s44, "s44")
+    assert runs == ["peer", "l7m352", "l6m512", "dpm"]
+    assert (
+        "| l7m352 | 7.413 (1) | 1.075 [1.02-1.13] | 3.275 (1) | 1.198 [1.15-1.24] "
+        "| 4.097 (1) | 1.172 [1.13-1.21] |"
+    ) in md
+    assert (
+        "| l6m512 | 7.273 (1) | 1.054 [1.03-1.08] | 3.100 (1) | 1.134 [1.11-1.16] "
+        "| 3.984 (1) | 1.140 [1.11-1.17] |"
+    ) in md
+    assert "| dpm | 7.159 (2) | 1.038 [1.01-1.06] |" in md
+    assert "| l7m352 | 2.708 (1) | 1.137 [1.03-1.21] |" in md  # before chat's loops
+    assert "| l7m352 | 1.557 (1) | 1.078 [1.05-1.11] |" in md  # T = 1
     # the `curves` lines: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
     # and level by step 4,000, as the s41 record says; the peer's two seeds by its eal (s43)
     curves, peer_curves = [argv for argv in lines if argv[0] == "curves"]
