@@ -31,7 +31,9 @@ SMOKE_RUN = [
 ]
 # The drafter settings `--drafter` may change: the shape, which speculators' DFlashDraftModel
 # builds from the same config (its layers' Qwen3 config, its fc over the taps). The others
-# (block size, mask token, sliding layers, warm start, residual dtype) it does not follow.
+# stay the preset's: block size and mask token fix the comparison itself (the eval's B and
+# the tokenizer's token, `peer_overrides` hands both over), and speculators' model does not
+# follow sliding layers, a warm start or the residual dtype.
 SHAPE_KEYS = ("num_layers", "intermediate_size", "target_layer_ids")
 # speculators' settings recorded in the report and in the training marker.
 SETTINGS = (
@@ -75,9 +77,11 @@ class PeerRecipeConfig:
         factory=list,
         metavar="KEY=VALUE",
         help="the drafter's shape instead of the preset's, as a quality run's `--set "
-        f"drafter.KEY=VALUE` sets it ({', '.join(SHAPE_KEYS)}), e.g. num_layers=7 "
-        "intermediate_size=352 target_layer_ids=[1,8,14,20,27]: the peer then trains the "
-        "shape of that run (s44's depth for width)",
+        f"drafter.KEY=VALUE` sets it ({', '.join(SHAPE_KEYS)}; applied after --smoke's "
+        "sizes), e.g. num_layers=7 intermediate_size=352 target_layer_ids=[1,8,14,20,27]: the "
+        "peer then trains the shape of that run (s44's depth for width). Pin "
+        "target_layer_ids with num_layers: the default tap rule follows the depth (other "
+        "features, another size); a bad value is refused when the run config is built",
     )
     output: str = option("peer-recipe", metavar="DIR", help="every output goes here")
     eval_prompts: list[str] = option(
@@ -116,6 +120,7 @@ class PeerRecipeConfig:
         cfg.validate(self)
         if self.data is None and not self.smoke:
             raise ValueError("--data is required (the prepared dataset), unless --smoke")
+        seen: set[str] = set()
         for item in self.drafter:
             key, sep, _ = item.partition("=")
             if not sep or key not in SHAPE_KEYS:
@@ -123,6 +128,9 @@ class PeerRecipeConfig:
                     f"--drafter {item!r}: expected KEY=VALUE with KEY one of "
                     f"{', '.join(SHAPE_KEYS)} (the shape both recipes can train)"
                 )
+            if key in seen:
+                raise ValueError(f"--drafter {item!r}: {key} is given twice; give it once")
+            seen.add(key)
 
 
 # ---- speculators' recommended settings --------------------------------------------------
@@ -155,7 +163,7 @@ def peer_overrides(
 ) -> dict[str, Any]:
     """What must match the flashdraft run (or this machine), replacing speculators' defaults."""
     return {
-        # Same geometry as the preset drafter; speculators' ids are z-lab ids + 1 (vLLM's).
+        # The flashdraft run's drafter geometry; speculators' ids are z-lab ids + 1 (vLLM's).
         "num_layers": drafter.num_hidden_layers,
         "block_size": drafter.block_size,
         "target_layer_ids": [i + 1 for i in drafter.target_layer_ids],

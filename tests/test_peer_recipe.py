@@ -109,13 +109,19 @@ def test_peer_epochs_give_the_run_of_an_epochs_ablation(
 
 
 def test_the_peers_drafter_shape_is_the_shape_ablations(
-    bench: dict[str, ModuleType], tmp_path: Path
+    bench: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--drafter num_layers=7 intermediate_size=352 target_layer_ids=[...]` builds the run a
     quality ablation with the same words under `--set drafter.` trains (s44's `l7m352`), so
     the peer trains that shape over the same rows and taps (speculators' ids one up); a key
-    outside the shape, or a word without `=`, is a one-line error naming it."""
+    outside the shape, a word without `=` or a key given twice is a one-line error naming
+    it. The shape reaches what speculators builds: the drafter config of the run (on a
+    SmolLM2-shaped target config) gives its overrides and its layers' Qwen3 config."""
     import torch
+    from transformers import LlamaConfig
+
+    from flashdraft.export import to_speculators_config
+    from flashdraft.train.plan import build_drafter_config
 
     common = ["--target", "/models/smol", "--device", "cpu"]
     shape = ["num_layers=7", "intermediate_size=352", "target_layer_ids=[1,8,14,20,27]"]
@@ -139,17 +145,25 @@ def test_the_peers_drafter_shape_is_the_shape_ablations(
         bench["peer_recipe"].parse(["--data", "d", "--output", "o", *common]), "d", "/m", "cpu"
     )
     assert (preset.drafter.num_layers, preset.drafter.intermediate_size) == (5, 704)
-    from types import SimpleNamespace
-
-    drafter = SimpleNamespace(
-        num_hidden_layers=7, block_size=16, target_layer_ids=[1, 8, 14, 20, 27],
-        mask_token_id=16, vocab_size=10,
+    smol = LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152,
     )  # fmt: skip
-    flat = peer.peer_overrides(config, run, drafter, torch.device("cpu"))
+    masked = cfg.build(RunConfig, cfg.apply_overrides(run.to_dict(), ["drafter.mask_token_id=16"]))
+    drafter, _ = build_drafter_config(masked, smol)
+    flat = peer.peer_overrides(config, masked, drafter, torch.device("cpu"))
     assert (flat["num_layers"], flat["target_layer_ids"]) == (7, [2, 9, 15, 21, 28])
-    for bad in ("block_size=8", "num_layers"):
+    layers = to_speculators_config(drafter, "/m")["transformer_layer_config"]
+    assert (layers["num_hidden_layers"], layers["intermediate_size"]) == (7, 352)
+    bad_words = {
+        "block_size=8": "block_size=8",
+        "num_layers": "expected KEY=VALUE",
+        "num_layers=7 num_layers=6": "num_layers is given twice",
+    }
+    for bad, said in bad_words.items():
         with pytest.raises(SystemExit):
-            bench["peer_recipe"].parse(["--data", "d", "--output", "o", "--drafter", bad])
+            bench["peer_recipe"].parse(["--data", "d", "--output", "o", "--drafter", *bad.split()])
+        assert said in capsys.readouterr().err
     speculators_oracle()  # the report says which shape the peer trained
     lines = peer.caveats({**peer.speculators_settings(), "epochs": 20}, run)
     assert any("the flashdraft run's drafter (7 layers, MLP 352," in line for line in lines)

@@ -473,7 +473,7 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| peer61 | 2.813 (1) | 0.965 [0.93-1.01] |" in md  # before chat's loops
     assert "| peer61 | 1.436 (1) | 0.995 [0.96-1.03] |" in md  # T = 1
     # s44's: depth for width at the same bytes (2 epochs, one seed a shape): 7 x 352 and 6 x
-    # 512 over the peer beside the preset's 5 x 704; chat over 1.05 only at 7 x 352
+    # 512 over the peer (its 5 x 704) beside the preset's 5 x 704: chat 1.075 and 1.054
     runs, md = pairs(s44, "s44")
     assert runs == ["peer", "l7m352", "l6m512", "dpm"]
     assert (
