@@ -84,7 +84,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--report-dir", default=None, help="write the eval reports + plots here")
     # Fitting a drafter when none is given.
     p.add_argument("--fit-steps", type=int, default=0)
-    p.add_argument("--layers", type=int, default=3, help="draft layers of a fitted drafter")
+    p.add_argument("--layers", type=int, default=3, help="draft layers (fitted; --speed's random)")
     p.add_argument("--block", type=int, default=16, help="block size of a fitted drafter")
     p.add_argument("--fit-prompts", type=int, default=2048)
     p.add_argument("--fit-answer-tokens", type=int, default=256)

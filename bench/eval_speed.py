@@ -1,7 +1,7 @@
 """`python bench/eval.py --speed`: how fast the decode loops run, not what a drafter accepts.
 
 On a random target with SmolLM2-135M's exact shape (speed does not depend on the weights;
-`--target` takes a real one) and a random 3-layer drafter with B = 16: the target's decode time
+`--target` takes a real one) and a random drafter of `--layers` layers (3) with B = 16: the target's decode time
 per token at batch 1 in the HF loop and in the static loops, then the speculative step of each
 static loop against its parts replayed alone (the loop overhead ratio). bench/eval.py's
 docstring describes the options; this is its `--speed` mode.
@@ -40,13 +40,17 @@ def replay_ms(fn, device, iters: int) -> float:
     return measure(run, device, 2, iters).median_s * 1e3
 
 
-def static_variants(device, no_compile: bool) -> list[tuple[str, bool, str | None]]:
-    """(name, graphs, compile backend) of the static loops to time on this device."""
-    variants: list[tuple[str, bool, str | None]] = [("static, eager kernels", False, None)]
+def static_variants(device, no_compile: bool) -> list[tuple[str, bool, str | None, bool]]:
+    """(name, graphs, compile backend, compile the drafter too) of the static loops to time
+    on this device."""
+    variants = [("static, eager kernels", False, None, False)]
     if device.type == "cuda":
-        variants.append(("static, CUDA graphs", True, None))
+        variants.append(("static, CUDA graphs", True, None, False))
         if not no_compile:
-            variants.append(("static, compiled + CUDA graphs", True, "inductor"))
+            variants += [
+                ("static, compiled verify + CUDA graphs", True, "inductor", False),
+                ("static, compiled + CUDA graphs", True, "inductor", True),
+            ]
     return variants
 
 
@@ -55,7 +59,7 @@ def speed(args, device) -> int:
     target = speed_target(args, device)
     text = target.config
     config = DrafterConfig.from_target_config(
-        text, mask_token_id=text.vocab_size - 1, num_layers=3, block_size=args.block
+        text, mask_token_id=text.vocab_size - 1, num_layers=args.layers, block_size=args.block
     )
     drafter = init_seeded(config, args.seed).to(device=device, dtype=target.dtype).eval()
     head = TargetHead.from_model(target)
@@ -78,10 +82,10 @@ def speed(args, device) -> int:
     lm = StaticLM(target, 1, length, config.target_layer_ids)
     lm.verify()
     fastest = None
-    for name, graphs, backend in static_variants(device, args.no_compile):
+    for name, graphs, backend, whole in static_variants(device, args.no_compile):
         base, spec = (
             StaticDecoder(target, max_len=length, graphs=graphs, compile_backend=backend, lm=lm,
-                          drafter=d, head=h, block_size=b)
+                          compile_drafter=whole, drafter=d, head=h, block_size=b)
             for d, h, b in ((None, None, 1), (drafter, head, block))
         )  # fmt: skip
         for loop in (base, spec):

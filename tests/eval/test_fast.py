@@ -212,7 +212,8 @@ def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
     """The quality pipeline evaluates many prompt sets in one process; a compiled step per
     set's longest prompt hit dynamo's recompile limit (a hard error with fullgraph) on the
     fifth set. With `cache_slots` the sets below share one cache size: after the first set's
-    two graphs (verify of B tokens, the 1-token baseline), nothing compiles again."""
+    four graphs (verify of B tokens, the 1-token baseline, the drafter's block and its
+    context's K/V), nothing compiles again."""
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -228,9 +229,9 @@ def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
         spec = StaticDecoder(target, drafter=drafter, head=head, block_size=4, **kw)
         base = StaticDecoder(target, **kw)
         outputs.append((spec.decode(prompt, 24).output_ids, base.decode(prompt, 24).output_ids))
-    assert counter.frame_count == 2
+    assert counter.frame_count == 4
     assert all(s == b for s, b in outputs)  # T = 0: the speculative loop equals the baseline
-    # Sizes past dynamo's default limit (8 entries: five sizes x two graphs) still compile
+    # Sizes past dynamo's default limit (8 entries: five sizes x four graphs) still compile
     # instead of failing (fullgraph makes the limit a hard error).
     for slots in (64, 128, 192, 256, 320):
         lm = StaticLM(target, 1, slots, list(drafter.config.target_layer_ids))
@@ -238,7 +239,33 @@ def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
         spec = StaticDecoder(target, drafter=drafter, head=head, block_size=4, **kw)
         base = StaticDecoder(target, **kw)
         assert spec.decode(PROMPT, 8).output_ids == base.decode(PROMPT, 8).output_ids
-    assert counter.frame_count == 12
+    assert counter.frame_count == 24
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_compiled_drafter_parts_decode_as_the_eager_ones(temperature) -> None:
+    """With a compile backend the drafter's block and its context's K/V projection are
+    compiled too (the extend writes the caches in place: a lost write would change what later
+    blocks draft). aot_eager functionalises the graphs as inductor does, on the CPU."""
+    torch._dynamo.reset()
+    # A 4-token vocabulary: a random drafter's blocks are partly accepted.
+    model = tiny_llama(vocab_size=4, hidden_size=64, num_layers=3, initializer_range=0.3)
+    drafter = drafter_for(model, seed=1, block_size=4, **SLIDING)
+    head = TargetHead.from_model(model)
+    runs = []
+    for backend in (None, "aot_eager"):
+        spec = StaticDecoder(
+            model, max_len=96, drafter=drafter, head=head, block_size=4,
+            temperature=temperature, graphs=False, compile_backend=backend,
+        )  # fmt: skip
+        assert (spec._draft_step == spec._draft) is (backend is None)
+        result = spec.decode([0, 1, 2, 1, 3], 40, seed=3)
+        runs.append((result.output_ids, result.acceptance_lengths, spec.ctx_keys[0].clone()))
+    (eager_ids, eager_lengths, eager_keys), (ids, lengths, keys) = runs
+    assert ids == eager_ids and lengths == eager_lengths
+    assert max(eager_lengths) > 1  # the drafter's blocks mattered
+    torch.testing.assert_close(keys, eager_keys)
     torch._dynamo.reset()
 
 
