@@ -111,9 +111,10 @@ def test_peer_epochs_give_the_run_of_an_epochs_ablation(
 def test_the_peers_drafter_shape_is_the_shape_ablations(
     bench: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--drafter num_layers=7 intermediate_size=352 target_layer_ids=[...]` builds the run a
-    quality ablation with the same words under `--set drafter.` trains (s44's `l7m352`), so
-    the peer trains that shape over the same rows and taps (speculators' ids one up); a key
+    """`--drafter num_layers=6 intermediate_size=512 target_layer_ids=[...]` builds the run a
+    quality ablation with the same words under `--set drafter.` trains (s44's `l6m512`), so
+    the peer trains that shape over the same rows and taps (speculators' ids one up); without
+    it the peer trains the preset's shape (7 x 352 since s45, 5 x 704 before); a key
     outside the shape, a word without `=` or a key given twice is a one-line error naming
     it. The shape reaches what speculators builds: the drafter config of the run (on a
     SmolLM2-shaped target config) gives its overrides and its layers' Qwen3 config."""
@@ -124,7 +125,7 @@ def test_the_peers_drafter_shape_is_the_shape_ablations(
     from flashdraft.train.plan import build_drafter_config
 
     common = ["--target", "/models/smol", "--device", "cpu"]
-    shape = ["num_layers=7", "intermediate_size=352", "target_layer_ids=[1,8,14,20,27]"]
+    shape = ["num_layers=6", "intermediate_size=512", "target_layer_ids=[1,8,14,20,27]"]
     sets = [word for item in shape for word in ("--set", f"drafter.{item}")]
     argv = ["train", "--output", str(tmp_path), *common, "--set", "optim.epochs=2", *sets]
     _, quality_config, overrides = bench["quality"].parse(argv)
@@ -137,14 +138,15 @@ def test_the_peers_drafter_shape_is_the_shape_ablations(
     assert config.data is not None
     run = peer.run_config(config, config.data, "/models/smol", "cpu")
     theirs = run.to_dict()
-    assert (theirs["drafter"]["num_layers"], theirs["drafter"]["intermediate_size"]) == (7, 352)
+    assert (theirs["drafter"]["num_layers"], theirs["drafter"]["intermediate_size"]) == (6, 512)
     for one in (ours, theirs):
         del one["output"], one["eval"]
     assert theirs == ours
     preset = peer.run_config(
         bench["peer_recipe"].parse(["--data", "d", "--output", "o", *common]), "d", "/m", "cpu"
     )
-    assert (preset.drafter.num_layers, preset.drafter.intermediate_size) == (5, 704)
+    assert (preset.drafter.num_layers, preset.drafter.intermediate_size) == (7, 352)
+    assert preset.drafter.target_layer_ids == [1, 8, 14, 20, 27]
     smol = LlamaConfig(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, vocab_size=49152,
@@ -152,9 +154,9 @@ def test_the_peers_drafter_shape_is_the_shape_ablations(
     masked = cfg.build(RunConfig, cfg.apply_overrides(run.to_dict(), ["drafter.mask_token_id=16"]))
     drafter, _ = build_drafter_config(masked, smol)
     flat = peer.peer_overrides(config, masked, drafter, torch.device("cpu"))
-    assert (flat["num_layers"], flat["target_layer_ids"]) == (7, [2, 9, 15, 21, 28])
+    assert (flat["num_layers"], flat["target_layer_ids"]) == (6, [2, 9, 15, 21, 28])
     layers = to_speculators_config(drafter, "/m")["transformer_layer_config"]
-    assert (layers["num_hidden_layers"], layers["intermediate_size"]) == (7, 352)
+    assert (layers["num_hidden_layers"], layers["intermediate_size"]) == (6, 512)
     bad_words = {
         "block_size=8": "block_size=8",
         "num_layers": "expected KEY=VALUE",
@@ -166,7 +168,7 @@ def test_the_peers_drafter_shape_is_the_shape_ablations(
         assert said in capsys.readouterr().err
     speculators_oracle()  # the report says which shape the peer trained
     lines = peer.caveats({**peer.speculators_settings(), "epochs": 20}, run)
-    assert any("the flashdraft run's drafter (7 layers, MLP 352," in line for line in lines)
+    assert any("the flashdraft run's drafter (6 layers, MLP 512," in line for line in lines)
 
 
 def test_the_peers_anchors_are_the_runs_unless_given(

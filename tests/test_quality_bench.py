@@ -286,8 +286,8 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     quality: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every `python bench/quality.py` line of the README is a valid command; the first is the
-    shipped drafter (the preset, nothing set); the one shipped before it, `i704a2k6`, is the
-    preset with the loss of before s36; the two lines of the one before that train `ref6` at
+    shipped drafter (the preset, nothing set); `i704a2k6`, shipped s24-s35, is the preset
+    with the loss of before s36 at the shape of before s45 (5 x 704); the two lines of the one before that train `ref6` at
     512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the slow smoke test
     runs a pruned start for real); the `pairs` lines run on the committed records."""
     readme = (ROOT / "README.md").read_text()
@@ -306,14 +306,24 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert stage == "all" and shipped.prune_from is None and overrides == []
     stage, before, overrides = parsed["i704a2k6"]
     assert stage == "all" and before.prune_from is None
-    assert overrides == ["loss.weighting=decay", "loss.argmax_mix=0", "eval.every=0"]
+    assert overrides == [
+        "loss.weighting=decay",
+        "loss.argmax_mix=0",
+        "eval.every=0",
+        "drafter.num_layers=5",  # the preset's shape before s45
+        "drafter.intermediate_size=704",
+    ]
     stage, ref6, overrides = parsed["ref6"]
     assert stage == "all" and ref6.prune_from is None
-    assert overrides == ["loss.anchors=512", "drafter.intermediate_size=1536"]
+    assert overrides == [
+        "loss.anchors=512",
+        "drafter.intermediate_size=1536",
+        "drafter.num_layers=5",
+    ]
     stage, pruned, overrides = parsed["p704ft2"]
     assert stage == "all" and (pruned.prune_from, pruned.prune_width) == ("ref6", 704)
     assert pruned.prune_mix == "chat=6,humaneval=6,code=12"
-    assert overrides == ["optim.epochs=2", "eval.every=0"]
+    assert overrides == ["optim.epochs=2", "eval.every=0", "drafter.num_layers=5"]
     stage, deeper, overrides = parsed["l7m352"]  # s44: 7 layers, the preset's five taps pinned
     assert stage == "all" and deeper.prune_from is None
     assert overrides == [
@@ -326,9 +336,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's,
-    # s42's, s43's two, s44's and s36's
+    # s42's, s43's two, s44's, s45's two and s36's
     pairs_lines = [argv for argv in lines if argv[0] == "pairs"]
-    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s36 = pairs_lines
+    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s45, s45p, s36 = pairs_lines
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -487,6 +497,27 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| dpm | 7.159 (2) | 1.038 [1.01-1.06] |" in md
     assert "| l7m352 | 2.708 (1) | 1.137 [1.03-1.21] |" in md  # before chat's loops
     assert "| l7m352 | 1.557 (1) | 1.078 [1.05-1.11] |" in md  # T = 1
+    # s45's: the shipped 7 x 352 at 6 epochs (`l7x6`) over the 5 x 704 shipped before it
+    # (two seeds), over every T = 0 kind, under at T = 1; and over the peer at the same
+    # steps, chat 1.051 (the issue's 1.05) where the 5 x 704 gave 1.021
+    runs, md = pairs(s45, "s45")
+    assert runs == ["peer", "l7x6"]
+    assert (
+        "| l7x6 | 8.175 (1) | 1.030 [1.00-1.06] | 4.180 (1) | 1.054 [1.03-1.08] "
+        "| 5.181 (1) | 1.050 [1.03-1.07] |"
+    ) in md
+    assert "| l7x6 | 1.580 (1) | 0.978 [0.94-1.01] |" in md  # T = 1
+    assert "| l7x6 | 1.013-1.047 (2) | 1.051-1.058 (2) | 1.045-1.055 (2) |" in md
+    runs, md = pairs(s45p, "s45p")
+    assert runs == ["peer", "l7x6", "dpm"]
+    assert (
+        "| l7x6 | 8.175 (1) | 1.051 [1.02-1.08] | 4.180 (1) | 1.184 [1.15-1.22] "
+        "| 5.181 (1) | 1.153 [1.12-1.19] |"
+    ) in md
+    assert "| dpm | 7.935 (2) | 1.021 [1.01-1.03] |" in md
+    assert "| l7x6 | 3.108 (1) | 1.086 [1.03-1.13] |" in md  # before chat's loops
+    assert "| l7x6 | 1.580 (1) | 1.098 [1.06-1.13] |" in md  # T = 1
+    assert "| l7x6 | 1.044-1.059 (2) | 1.181-1.188 (2) | 1.151-1.154 (2) |" in md
     # the `curves` lines: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
     # and level by step 4,000, as the s41 record says; the peer's two seeds by its eal (s43)
     curves, peer_curves = [argv for argv in lines if argv[0] == "curves"]
@@ -525,9 +556,9 @@ def test_the_defaults_make_the_shipped_drafters_data(
     """`bench/quality.py all` with no option builds the prompts and answers the shipped
     drafter was trained on: the build-prompts settings equal the marker committed with its
     data (benchmarks/data/smollm2_reference_20261202), the generate and prepare settings the
-    markers of its run (`dpm6`, s36), and the run `all` trains is that run's config (MLP 704,
-    A = 2,048, D-PACE with half-argmax soft labels, 6 epochs, the target 10 rows ahead) but
-    for the in-training evals it had off."""
+    markers of its run (`l7x6`, s45), and the run `all` trains is that run's config (7 x 352
+    with the taps pinned, A = 2,048, D-PACE with half-argmax soft labels, 6 epochs, the
+    target 10 rows ahead) but for the in-training evals it had off."""
     import tarfile
 
     from flashdraft import config as cfg
@@ -543,7 +574,7 @@ def test_the_defaults_make_the_shipped_drafters_data(
         built = json.load(member)
     settings = {k: v for k, v in cfg.to_dict(pipeline.sources_config()).items() if k != "output"}
     assert settings == built["settings"]
-    raw = ROOT / "benchmarks/raw/quality_20261205_s36"
+    raw = ROOT / "benchmarks/raw/quality_20261206_s45"
     generated = json.loads((raw / "calls/stages/generate-greedy.json").read_text())["settings"]
     [(name, sampling, seed)] = pipeline.passes()
     assert name == "greedy"
@@ -556,22 +587,22 @@ def test_the_defaults_make_the_shipped_drafters_data(
     # and the in-training evals it had off (eval.every=0)
     # (as this version reads it: keys added since the run, e.g. loss.argmax_mix, at their
     # defaults, which are the behaviour before them)
-    run = as_recorded_now(json.loads((raw / "runs/dpm6/run.json").read_text()))
+    run = as_recorded_now(json.loads((raw / "runs/l7x6/run.json").read_text()))
     here = cfg.to_dict(pipeline.run_config())
-    # (loss.gamma is the decay weighting's, unused under D-PACE: the run carried the preset's
-    # 7.0 of the time, the preset now leaves it unset)
-    assert run["loss"].pop("gamma") == 7.0 and here["loss"].pop("gamma") is None
+    # (loss.gamma is the decay weighting's, unused under D-PACE: the preset leaves it unset)
+    assert run["loss"]["gamma"] is None and here["loss"]["gamma"] is None
     for section in ("drafter", "loss", "optim", "checkpoint", "seed", "compile"):
         assert here[section] == run[section], section
     for section, keys in (("target", ("forward_rows", "dtype", "compile", "compile_scope")),
                           ("data", ("row_tokens", "overlong", "shuffle", "prefetch"))):  # fmt: skip
         for key in keys:
             assert here[section][key] == run[section][key], (section, key)
-    assert here["target"]["forward_rows"] == 10 and here["drafter"]["intermediate_size"] == 704
+    assert here["target"]["forward_rows"] == 10 and here["drafter"]["intermediate_size"] == 352
     assert (here["eval"]["every"], run["eval"]["every"]) == (5000, 0)
     assert (here["loss"]["weighting"], here["loss"]["argmax_mix"]) == ("dpace", 0.5)
     preset = cfg.to_dict(smollm2_135m())
-    assert preset["optim"] == run["optim"] and preset["loss"] == {**run["loss"], "gamma": None}
+    assert preset["optim"] == run["optim"] and preset["loss"] == run["loss"]
+    assert preset["drafter"] == run["drafter"]
 
 
 def test_an_eval_pass_starts_when_half_again_the_longest_pass_fits(
