@@ -320,6 +320,7 @@ def test_the_static_loop_gives_the_hf_loops_report() -> None:
         assert [e[key] for e in static["per_prompt"]] == [e[key] for e in hf["per_prompt"]]
     assert static["tau"] == hf["tau"] and static["lossless"]
     loop = {"decoder": "static", "graphs": False, "compiled": False, "batch_size": 1}
+    loop["drafter_compiled"] = False
     assert static["loops"] == {"speculative": loop, "baseline": loop}
     assert hf["loops"]["speculative"]["decoder"] == "hf"
     sampled = [
@@ -353,7 +354,13 @@ def test_on_cuda_the_static_loop_runs_with_graphs_and_stays_lossless() -> None:
     # (the compiled step is checked in tests/eval/test_fast.py: each compile costs ~20 s)
     report = evaluate_drafter(target, None, drafter, prompts, max_new_tokens=24)
     loop = report["loops"]["speculative"]
-    assert loop == {"decoder": "static", "graphs": True, "compiled": False, "batch_size": 1}
+    assert loop == {
+        "decoder": "static",
+        "graphs": True,
+        "compiled": False,
+        "drafter_compiled": False,
+        "batch_size": 1,
+    }
     assert report["loops"]["baseline"] == loop and report["lossless"]
     assert "speedup" in report
     for key in ("output_ids", "acceptance_lengths"):
