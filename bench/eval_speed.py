@@ -49,7 +49,7 @@ def static_variants(device, no_compile: bool) -> list[tuple[str, bool, str | Non
         if not no_compile:
             variants += [
                 ("static, compiled verify + CUDA graphs", True, "inductor", False),
-                ("static, compiled + CUDA graphs", True, "inductor", True),
+                ("static, compiled verify and drafter + CUDA graphs", True, "inductor", True),
             ]
     return variants
 
