@@ -287,9 +287,10 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
 ) -> None:
     """Every `python bench/quality.py` line of the README is a valid command; the first is the
     shipped drafter (the preset, nothing set); `i704a2k6`, shipped s24-s35, is the preset
-    with the loss of before s36 at the shape of before s45 (5 x 704); the two lines of the one before that train `ref6` at
-    512 anchors and MLP 1,536 and start `p704ft2` from it pruned to 704 (the slow smoke test
-    runs a pruned start for real); the `pairs` lines run on the committed records."""
+    with the loss of before s36 at the shape of before s45 (5 x 704); the two lines of the
+    one before that train `ref6` at 512 anchors and MLP 1,536 and start `p704ft2` from it
+    pruned to 704 (the slow smoke test runs a pruned start for real); the `pairs` lines run
+    on the committed records."""
     readme = (ROOT / "README.md").read_text()
     lines = [
         line.split("#")[0].split()[2:]

@@ -101,8 +101,8 @@ def smollm2_135m(
     (chat turns, HumanEval, code mined from installed Python sources), one GPU in at most
     20 minutes. 7 draft layers with MLPs of 352 (24.25 MB in bf16), tapping the target's
     layers [1, 8, 14, 20, 27] (pinned: the default rule for 30 target layers and 5 draft
-    layers; the rule for 7 would tap seven and widen `fc` past 25 MB), B = 16, A = 2048 anchors per 8192-token row,
-    soft labels (KL to the target's top-32 distribution with half the target's argmax mixed
+    layers; the rule for 7 would tap seven and widen `fc` past 25 MB), B = 16, A = 2048
+    anchors per 8192-token row, soft labels (KL to the target's top-32 distribution with half the target's argmax mixed
     in) under D-PACE slot weights, Muon at 1e-3 (AdamW on the norms) with 1% warmup and a
     linear decay to 0, 6 epochs; the target runs ahead over 10 rows a forward (the training
     is the same, the one-row steps faster); real draft-and-verify evals on 16 held-out

@@ -343,7 +343,7 @@ def test_sampling_matches_the_targets_distribution_and_a_wrong_rule_does_not() -
 
 def test_bench_speed_smoke_runs_on_cpu() -> None:
     out = subprocess.run(
-        [sys.executable, "bench/eval.py", "--speed", "--smoke"],
+        [sys.executable, "bench/eval.py", "--speed", "--smoke", "--layers", "2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -351,7 +351,7 @@ def test_bench_speed_smoke_runs_on_cpu() -> None:
         check=True,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "eval-speed"
+    assert result["bench"] == "eval-speed" and result["drafter_layers"] == 2
     assert set(result["baseline_ms_per_token"]) == {
         "HF eager, DynamicCache",
         "static, eager kernels",
