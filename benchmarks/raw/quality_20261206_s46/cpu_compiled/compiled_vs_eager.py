@@ -1,0 +1,67 @@
+"""CPU check (s46): the static decode loop with the drafter's parts compiled by inductor
+decodes as the same loop eager, with real weights (the SmolLM2-135M target, a shipped
+export), fp32, no CUDA graphs, at T = 0 and T = 1.
+
+python compiled_vs_eager.py DRAFTER PROMPTS.jsonl N_PROMPTS NEW_TOKENS
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from flashdraft.eval.fast import StaticDecoder, StaticLM, cache_slots
+from flashdraft.eval.prompts import load_prompts
+from flashdraft.model.head import TargetHead
+from flashdraft.model.target import load_target
+from flashdraft.train.checkpoint import load_drafter
+
+TARGET = str(Path.home() / ".cache/flashdraft/smollm2-135m-instruct")
+
+
+def main(drafter_path: str, prompts_path: str, limit: int, new: int) -> None:
+    torch.manual_seed(0)
+    target = load_target(TARGET, "float32", "sdpa", torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    drafter = load_drafter(drafter_path).float().eval()
+    prompts = load_prompts(prompts_path, tokenizer, limit)
+    head = TargetHead.from_model(target)
+    block = drafter.config.block_size
+    slots = cache_slots(max(len(p.input_ids) for p in prompts), new, block)
+    taps = list(drafter.config.target_layer_ids)
+    for temperature in (0.0, 1.0):
+        results = {}
+        for backend in (None, "inductor"):
+            decoder = StaticDecoder(
+                target,
+                max_len=slots,
+                drafter=drafter,
+                head=head,
+                block_size=block,
+                temperature=temperature,
+                eos_ids=[2],  # SmolLM2's end of turn
+                graphs=False,
+                compile_backend=backend,
+                lm=StaticLM(target, 1, slots, taps),
+            )
+            began = time.time()
+            out = [decoder.decode(p.input_ids, new, seed=i) for i, p in enumerate(prompts)]
+            results[backend] = out
+            steps = sum(r.num_steps for r in out)
+            tokens = sum(len(r.output_ids) for r in out)
+            print(
+                f"T={temperature} backend={backend} info={decoder.info} steps={steps} "
+                f"tau={tokens / steps:.3f} {time.time() - began:.1f}s",
+                flush=True,
+            )
+        same = [
+            x.output_ids == y.output_ids and x.acceptance_lengths == y.acceptance_lengths
+            for x, y in zip(results[None], results["inductor"], strict=True)
+        ]
+        print(f"T={temperature}: identical prompts {sum(same)}/{len(same)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
