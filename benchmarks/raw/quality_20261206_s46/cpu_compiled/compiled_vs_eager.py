@@ -50,10 +50,10 @@ def main(drafter_path: str, prompts_path: str, limit: int, new: int) -> None:
             out = [decoder.decode(p.input_ids, new, seed=i) for i, p in enumerate(prompts)]
             results[backend] = out
             steps = sum(r.num_steps for r in out)
-            tokens = sum(len(r.output_ids) for r in out)
+            emitted = sum(sum(r.acceptance_lengths) for r in out)  # tau: per verify step
             print(
                 f"T={temperature} backend={backend} info={decoder.info} steps={steps} "
-                f"tau={tokens / steps:.3f} {time.time() - began:.1f}s",
+                f"tau={emitted / steps:.3f} {time.time() - began:.1f}s",
                 flush=True,
             )
         same = [
