@@ -2,9 +2,9 @@
 
 On a random target with SmolLM2-135M's exact shape (speed does not depend on the weights;
 `--target` takes a real one) and a random drafter of `--layers` layers (3) with B = 16: the
-target's decode time per token at batch 1 in the HF loop and in the static loops, then the speculative step of each
-static loop against its parts replayed alone (the loop overhead ratio). bench/eval.py's
-docstring describes the options; this is its `--speed` mode.
+target's decode time per token at batch 1 in the HF loop and in the static loops, then the
+speculative step of each static loop against its parts replayed alone (the loop overhead ratio).
+bench/eval.py's docstring describes the options; this is its `--speed` mode.
 """
 
 from __future__ import annotations

@@ -238,8 +238,7 @@ def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
     assert counter.frame_count == 4
     assert all(s == b for s, b in outputs)  # T = 0: the speculative loop equals the baseline
     # Sizes past dynamo's default limit of 8 entries a function (the verify: two per size)
-    # still compile
-    # instead of failing (fullgraph makes the limit a hard error).
+    # still compile instead of failing (fullgraph makes the limit a hard error).
     for slots in (64, 128, 192, 256, 320):
         lm = StaticLM(target, 1, slots, list(drafter.config.target_layer_ids))
         kw = dict(max_len=slots, graphs=False, compile_backend=counter, lm=lm)
