@@ -5,8 +5,10 @@
     python bench/quality.py train --run layers5 --set drafter.num_layers=5   # an ablation
     python bench/quality.py all --smoke --output /tmp/q  # CPU, tiny sizes, ~2 minutes
 
-The first line is the shipped drafter (24.35 MB, 13,878 steps in ~17 GPU-minutes on one H100;
-benchmarks/quality_h100_20261205_s36.md, run `dpm6`). The ones shipped before it: `i704a2k6`
+The first line is the shipped drafter's recipe (run `l7x6`, 7 x 352, 24.25 MB: 13,878 steps
+in 907 s of `train` stages, 15.1 GPU-minutes on one H100; benchmarks/quality_h100_20261206_s45.md).
+The ones shipped before it: `dpm6` (5 x 704, 24.35 MB; benchmarks/quality_h100_20261205_s36.md),
+`i704a2k6`
 (benchmarks/quality_h200_20261204_s24.md), the preset with its loss of before s36, and
 before that `p704ft2`, two runs on one data (benchmarks/quality_h200_20261204_s22.md):
 
