@@ -99,7 +99,7 @@ class QualityConfig:
         metavar="RUN",
         help="train: start from OUT/runs/RUN's export with its MLPs pruned to --prune-width "
         "(bench/prune_mlp.py, calibrated on training prompts; kept in OUT/runs/<run>.init): how "
-        "`p704ft2` (shipped s22-s23, 24.35 MB) was made from `ref6`",
+        "`p704ft2` (shipped s22-s24, 24.35 MB) was made from `ref6`",
     )
     prune_width: int = option(704, ge=1, help="with --prune-from: MLP neurons kept per layer")
     prune_mix: str = option(
