@@ -25,6 +25,7 @@ SPECULATORS = "0.9.0"  # the release whose source the citations below refer to
 SMOKE_RECORDS, SMOKE_PROMPTS = 32, 2
 SMOKE_RUN = [
     "drafter.num_layers=2",
+    "drafter.target_layer_ids=[1, 4]",  # the preset's taps are SmolLM2's; the tiny target has 6
     "loss.anchors=16",
     "loss.chunk_rows=256",
     "data.row_tokens=512",

@@ -79,6 +79,7 @@ from flashdraft.train.config import RunConfig
 from flashdraft.train.features import device_put, load_run_target
 from flashdraft.train.parallel import init_distributed
 from flashdraft.train.plan import RunPlan, plan_run
+from flashdraft.train.stopping import StopRequest
 
 log = get_logger("bench.peer_recipe")
 
@@ -100,6 +101,7 @@ def train_peer(
     flat: dict[str, Any],
     config: PeerRecipeConfig,
     settings: dict[str, Any],
+    sigterm: StopRequest | None = None,
 ) -> dict[str, Any] | None:
     """`plan.total_steps` steps of speculators' DFlash on flashdraft's packed rows: the target
     runs each row through flashdraft's `Target` (its K taps, as the trainer feeds them), plus
@@ -184,7 +186,9 @@ def train_peer(
             )
             # The first log record at or after each multiple of --save-every saves too.
             due = config.save_every and step % config.save_every < config.log_every
-            stop = step < plan.total_steps and out_of_time(config, SAVE_S)
+            # SIGTERM (a `timeout` around the call, s49) saves at the next record as well
+            asked = sigterm is not None and sigterm.requested
+            stop = step < plan.total_steps and (asked or out_of_time(config, SAVE_S))
             if stop or (due and step < plan.total_steps):
                 progress = {
                     "settings": settings,
@@ -201,7 +205,8 @@ def train_peer(
                 write_metrics(Path(config.output), history)
             if stop:
                 log.info(
-                    f"step {step}/{plan.total_steps}: stopped for --deadline, state in {resume};"
+                    f"step {step}/{plan.total_steps}: stopped for "
+                    f"{'SIGTERM' if asked else '--deadline'}, state in {resume};"
                     " run the same command again to go on"
                 )
                 rows.close()
@@ -387,8 +392,9 @@ def train_stage(
         f" layers, taps {c.target_layer_ids}, {plan.total_steps} steps of one "
         f"{run.data.row_tokens}-token row"
     )
-    trained = train_peer(plan, model, flat, config, settings)
-    if trained is None:  # stopped for --deadline: the state is in OUT/resume
+    with StopRequest() as sigterm:  # SIGTERM saves the state as --deadline does
+        trained = train_peer(plan, model, flat, config, settings, sigterm)
+    if trained is None:  # stopped for --deadline or SIGTERM: the state is in OUT/resume
         return None
     trained["export"] = export(model, out, c)
     del model

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -346,6 +348,25 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
     assert [e["tau"] for e in resumed["eval"].values()] == [
         e["tau"] for e in result["eval"].values()
     ]
+
+    # SIGTERM (s49: a `timeout` around the session's call killed a peer 370 steps after its
+    # last save) saves the state at the next log record, as --deadline does, and the same
+    # command goes on to the same run.
+    killed = tmp_path / "k"
+    with (tmp_path / "k.txt").open("w+") as log:
+        process = subprocess.Popen(
+            [*command[:-1], str(killed)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        while "step 2/8:" not in (tmp_path / "k.txt").read_text():
+            assert process.poll() is None, (tmp_path / "k.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=300) == 0, (tmp_path / "k.txt").read_text()[-3000:]
+    assert "stopped for SIGTERM, state in" in (tmp_path / "k.txt").read_text()
+    assert (killed / "resume" / "progress.json").exists()
+    rest = subprocess.run([*command[:-1], str(killed)], capture_output=True, text=True, cwd=ROOT)
+    assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
+    assert steps(killed) == steps(out)
 
 
 def test_the_peer_step_settings_are_the_device_plans(bench: dict[str, ModuleType]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -32,7 +33,12 @@ from flashdraft.model.attention import default_backend
 from flashdraft.model.drafter import DFlashDrafter, param_count
 from flashdraft.model.target import DTYPES, decoder_layers
 from flashdraft.train import preflight
-from flashdraft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flashdraft.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir,
+)
 from flashdraft.train.config import RunConfig
 from flashdraft.train.features import (
     AheadTarget,
@@ -60,6 +66,7 @@ from flashdraft.train.schedule import Stopwatch, lr_at
 from flashdraft.train.server import serve_target
 from flashdraft.train.step import DraftBatch, draft_loss
 from flashdraft.train.step_rows import PHASES, Interval, StepRows
+from flashdraft.train.stopping import StopRequest, TrainingStopped
 
 log = get_logger(__name__)
 
@@ -67,13 +74,18 @@ log = get_logger(__name__)
 class Trainer:
     """The drafter side of a run. Where the target's features come from (this rank's own
     target, or a target rank) is the feature source's business, not the trainer's.
-    `target_model` may be passed in already built (benchmarks, tests)."""
+    `target_model` may be passed in already built (benchmarks, tests); `stop`: the SIGTERM
+    flag it checks at every log point (`train/stopping.py`; None: never stops early)."""
 
-    def __init__(self, plan: RunPlan, target_model: Any = None) -> None:
+    def __init__(
+        self, plan: RunPlan, target_model: Any = None, stop: StopRequest | None = None
+    ) -> None:
         started = time.perf_counter()  # the set-up's time, by part, goes into the banner
         config, info = plan.config, plan.info
         self.plan, self.config, self.info = plan, config, info
         self.placement = plan.placement
+        self.stop = stop
+        self.stopping = False  # every replica saw a stop request at the last log point
         self.device = info.device
         self.backend = default_backend(self.device)
         self.run_dir = config.output
@@ -290,12 +302,15 @@ class Trainer:
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         assert interval.stats is not None
+        # The stop request rides in the sum every replica makes here anyway: all of them then
+        # stop after this same step (a SIGTERM reaches ranks at different steps).
+        asked = float(self.stop is not None and self.stop.requested)
         counts = torch.tensor(
-            [interval.tokens, interval.rows], dtype=torch.float64, device=self.device
+            [interval.tokens, interval.rows, asked], dtype=torch.float64, device=self.device
         )
         flat = dp_all_reduce_sum(torch.cat([interval.stats.flat(), counts]), self.placement)  # sync
-        summary = BlockStats.from_flat(flat[:-2], self.block).summary()
-        tokens, rows = int(flat[-2]), int(flat[-1])
+        summary = BlockStats.from_flat(flat[:-3], self.block).summary()
+        tokens, rows, self.stopping = int(flat[-3]), int(flat[-2]), bool(flat[-1] > 0)
         wall = time.perf_counter() - interval.started
         epoch, _ = self.stream.locate(min(self.cursor, self.plan.total_rows - 1))
         record = {
@@ -440,8 +455,17 @@ class Trainer:
                         )  # fmt: skip
                 last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
-            if checkpoint_now or finished:
+            stop = self.stopping and not finished
+            if checkpoint_now or finished or stop:
                 self._checkpoint()
+            if stop:
+                if progress is not None:
+                    progress.close()
+                if self.logger is not None:
+                    self.logger.close()
+                raise TrainingStopped(
+                    self.step, self.total_steps, step_dir(self.run_dir, self.step)
+                )
         if progress is not None:
             progress.close()
         exported = time.perf_counter()
@@ -504,12 +528,20 @@ def train(
         plan = plan_run(
             config, info, resume, target_config, dataset, allow_config_change=allow_config_change
         )
-        trace("role", role=plan.placement.role, world=info.world, local_rank=info.local_rank)
+        trace(
+            "role",
+            role=plan.placement.role,
+            world=info.world,
+            local_rank=info.local_rank,
+            pid=os.getpid(),  # what a test signals
+        )
         if plan.placement.role == "target":
             serve_target(plan, target_model)
             barrier(info)
         else:
-            record = Trainer(plan, target_model).fit()
+            # SIGTERM checkpoints and stops (colocated; train/stopping.py says why not split)
+            with StopRequest(enabled=plan.placement.kind == "colocated") as stop:
+                record = Trainer(plan, target_model, stop).fit()
     finally:
         shutdown(info)
     if record:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,6 +167,49 @@ def test_two_colocated_processes_match_one_and_resume_on_one(
     assert cli.main(["train", *one, "--resume"]) == 0
     _same_curve(read_metrics(run), single)
     assert (run / "checkpoints" / "step_00000008").exists()
+
+
+def _trace(folder: Path, rank: int) -> list[dict]:
+    path = folder / f"trace-rank{rank}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(
+    tmp_path, tiny_qwen3_dir, qwen_data, single
+) -> None:
+    """A SIGTERM reaches the ranks of a run at different steps (here: rank 1 only, during its
+    first steps). The ranks agree at the next log point (step 4), both stop after it, the
+    checkpoint of step 4 is written (none is due before step 8) and nothing is exported;
+    resumed on one process from it, the run ends on the same curve as the run in one go."""
+    run, trace = tmp_path / "run", tmp_path / "trace"
+    extra = {"optim.max_steps": 8, "optim.grad_accum": 1, "checkpoint.every": 8}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHDRAFT_TRACE": str(trace)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "flashdraft.cli", "train", *_settings(run, tiny_qwen3_dir, qwen_data, **extra)]
+    with (tmp_path / "out.txt").open("w+") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        # rank 1's process, once rank 0 has begun its first step
+        while not any(e["event"] == "row" for e in _trace(trace, 0)):
+            assert process.poll() is None and time.monotonic() < deadline, out.read()[-4000:]
+            time.sleep(0.05)
+        pid = next(e["pid"] for e in _trace(trace, 1) if e["event"] == "role")
+        os.kill(pid, signal.SIGTERM)
+        process.wait(timeout=300)
+        out.seek(0)
+        log = out.read()
+    # torchrun reports its workers' 143 (the one it may SIGTERM itself once the other has
+    # exited can end with -15 instead, its checkpoint written: the ranks passed its barrier)
+    assert process.returncode != 0 and re.search(r"exitcode\s*:\s*143\b", log), log[-4000:]
+    assert "stopped by SIGTERM after step 4 of 8; checkpoint " in log, log[-4000:]
+    for rank in (0, 1):  # rank 0, never signalled, stopped after the same step
+        assert max(e["step"] for e in _trace(trace, rank) if e["event"] == "row") == 4
+    assert (run / "checkpoints" / "step_00000004" / "COMPLETE").exists()
+    assert not (run / "export").exists()
+    assert [r["step"] for r in read_metrics(run)] == [4]
+    one = _settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2})
+    assert cli.main(["train", *one, "--resume"]) == 0
+    _same_curve(read_metrics(run), single)
 
 
 def test_split_placement_needs_a_drafter_rank() -> None:

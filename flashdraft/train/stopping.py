@@ -1,0 +1,69 @@
+"""A graceful stop for `flashdraft train`: SIGTERM writes a checkpoint instead of losing the
+steps since the last one.
+
+SIGTERM is how a run is told to go: a scheduler's preemption (Slurm and Kubernetes send
+it, then SIGKILL after a grace period), `kill`, `timeout`, and torchrun, which passes its own
+SIGTERM on to every worker and kills them 30 s later. Python's default is to die at once.
+While a `StopRequest` is installed, SIGTERM only sets a flag; the trainer folds the flag
+into the sum it already all-reduces at every log point (no extra collective, no extra
+sync), so every rank stops after the same step, writes the checkpoint there and exits with
+`EXIT_CODE`; `--resume` then continues exactly as from any other checkpoint. A second
+SIGTERM kills at once, as before.
+
+A SIGTERM during the set-up stops the run at its first log point. Only the colocated
+placement stops this way: in the split placement the target ranks run ahead of the drafters
+through a queue, so a stop agreed among the drafters would leave them sending; there
+SIGTERM still ends the process and `--resume` goes back to the last periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+# 128 + SIGTERM: what a shell reports for a process SIGTERM ended, so a scheduler or a
+# script that checks the status sees an unfinished run (and may requeue it).
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class TrainingStopped(Exception):
+    """Raised on every rank once the run stopped for SIGTERM, after its checkpoint."""
+
+    def __init__(self, step: int, total: int, checkpoint: str) -> None:
+        super().__init__(
+            f"stopped by SIGTERM after step {step} of {total}; checkpoint {checkpoint} written: "
+            "run the same command with --resume to go on"
+        )
+        self.step = step
+
+
+class StopRequest:
+    """Notes SIGTERM while installed (a context manager; only in the main thread, where
+    Python runs signal handlers). `enabled=False` installs nothing: `requested` stays False."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> StopRequest:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag here (a handler runs between any two bytecodes, a log call's included);
+        # the trainer says what happens once the ranks agree. The next SIGTERM kills.
+        self.requested = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
