@@ -65,6 +65,8 @@ def supervise(
                 log.info(
                     f"train: stopped at step {step} for the deadline ({left:.0f} s left{ahead})"
                 )
+                # the run checkpoints again at its next log point, then exits 143 (s49:
+                # flashdraft/train/stopping.py): a few steps more, none lost
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout=30)
