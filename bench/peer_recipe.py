@@ -186,7 +186,7 @@ def train_peer(
             )
             # The first log record at or after each multiple of --save-every saves too.
             due = config.save_every and step % config.save_every < config.log_every
-            # SIGTERM (a `timeout` around the call, s49) saves at the next record as well
+            # SIGTERM (`timeout`, `kill`, a preemption) saves at this record as well
             asked = sigterm is not None and sigterm.requested
             stop = step < plan.total_steps and (asked or out_of_time(config, SAVE_S))
             if stop or (due and step < plan.total_steps):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flashdraft.log import get_logger
 from flashdraft.train.checkpoint import complete_checkpoints, step_dir
+from flashdraft.train.stopping import EXIT_CODE
 
 log = get_logger("bench.quality")
 
@@ -65,8 +66,8 @@ def supervise(
                 log.info(
                     f"train: stopped at step {step} for the deadline ({left:.0f} s left{ahead})"
                 )
-                # the run checkpoints again at its next log point, then exits 143 (s49:
-                # flashdraft/train/stopping.py): a few steps more, none lost
+                # the run checkpoints again at its next log point (where its run-ahead
+                # group ends), then exits 143 (flashdraft/train/stopping.py): none lost
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout=30)
@@ -74,6 +75,9 @@ def supervise(
                     process.kill()
                     process.wait()
                 return False
+    if process.returncode == EXIT_CODE:  # a SIGTERM from elsewhere: checkpointed, not a crash
+        log.info(f"train: stopped by SIGTERM at step {_latest_step(run_dir)} ({log_path})")
+        return False
     if process.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
         raise RuntimeError(f"train exited {process.returncode}; {log_path}:\n" + "\n".join(tail))

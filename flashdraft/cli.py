@@ -6,8 +6,10 @@ does not pay for importing the training stack.
 
 A user mistake (`USER_ERRORS`) is one line on standard error, `flashdraft NAME: error: ...`,
 and exit status 2; a run that fails on its own terms (`RUN_FAILURES`: a non-finite training
-loss, reported with its step) is one such line and exit status 1. Anything else is a bug and
-keeps its traceback. `FLASHDRAFT_DEBUG=1` re-raises every error, traceback included.
+loss, reported with its step) is one such line and exit status 1. A training run that SIGTERM
+stopped after a checkpoint (`train`, or `demo`'s training) says so in one line and exits 143
+(`train/stopping.py`). Anything else is a bug and keeps its traceback. `FLASHDRAFT_DEBUG=1`
+re-raises every error, traceback included.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 
 from flashdraft import __version__
 from flashdraft.log import get_logger
+from flashdraft.train.stopping import EXIT_CODE, TrainingStopped
 
 log = get_logger(__name__)
 
@@ -82,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
+    except TrainingStopped as stopped:  # not an error: resumable from its checkpoint
+        log.warning(f"flashdraft {name}: {stopped}")
+        return EXIT_CODE
     except (*USER_ERRORS, *RUN_FAILURES) as err:
         if os.environ.get("FLASHDRAFT_DEBUG"):
             raise

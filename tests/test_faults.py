@@ -117,6 +117,48 @@ def test_train_killed_at_a_random_point_resumes_to_the_uninterrupted_run(
     _same_run(run, reference_run)
 
 
+def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for_bit(
+    tmp_path, tiny_qwen3_dir, qwen_data
+) -> None:
+    """One process, the target running ahead over 3 steps (groups [0, 3), [3, 6), ...; no
+    periodic checkpoint before the end): a SIGTERM after the step-2 log line is agreed at
+    the step-4 log point, which falls inside a group, so the run goes on to step 6, where the
+    group ends, writes its checkpoint there and exits 143. Resumed, it ends bit for bit as
+    the run in one go (a stop inside the group would resume into other groups)."""
+    ahead = {**TRAIN, "target.forward_rows": 3, "checkpoint.every": 12}
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **ahead)]) == 0
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **ahead)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    log = tmp_path / "stderr.txt"
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "flashdraft.cli", "train", *settings],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=240) == 143, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    err = log.read_text()
+    assert f"flashdraft train: stopped by SIGTERM after step 6 of 12; checkpoint {run}" in err
+    assert "Traceback" not in err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000006"]
+    assert not (run / "export").exists()
+    assert cli.main(["train", *settings, "--resume"]) == 0
+    _same_run(run, whole)
+
+
 def test_a_muon_run_stopped_at_a_checkpoint_resumes_to_the_uninterrupted_run(
     tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:

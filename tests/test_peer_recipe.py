@@ -349,22 +349,29 @@ def test_the_speculators_recipe_runs_in_its_smoke_size(tmp_path: Path) -> None:
         e["tau"] for e in result["eval"].values()
     ]
 
-    # SIGTERM (s49: a `timeout` around the session's call killed a peer 370 steps after its
-    # last save) saves the state at the next log record, as --deadline does, and the same
-    # command goes on to the same run.
-    killed = tmp_path / "k"
-    with (tmp_path / "k.txt").open("w+") as log:
+    # SIGTERM (s49: a peer killed 370 steps after its last save) saves the state at the next
+    # log record, as --deadline does, and the same command goes on to the same run. Sent
+    # at the first record: 7 steps before the training (and its handler) ends.
+    killed, log = tmp_path / "k", tmp_path / "k.txt"
+    with log.open("w") as sink:
         process = subprocess.Popen(
-            [*command[:-1], str(killed)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            [*command[:-1], str(killed)], stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT
         )
-        while "step 2/8:" not in (tmp_path / "k.txt").read_text():
-            assert process.poll() is None, (tmp_path / "k.txt").read_text()[-3000:]
-            time.sleep(0.05)
+    try:
+        while "step 1/8:" not in log.read_text():
+            assert process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.02)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=300) == 0, (tmp_path / "k.txt").read_text()[-3000:]
-    assert "stopped for SIGTERM, state in" in (tmp_path / "k.txt").read_text()
+        assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "stopped for SIGTERM, state in" in log.read_text()
     assert (killed / "resume" / "progress.json").exists()
-    rest = subprocess.run([*command[:-1], str(killed)], capture_output=True, text=True, cwd=ROOT)
+    rest = subprocess.run(
+        [*command[:-1], str(killed)], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
     assert steps(killed) == steps(out)
 

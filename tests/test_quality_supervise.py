@@ -61,6 +61,9 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
     assert supervise(2, budget=None) is True  # the rest of the run, to its export
     with pytest.raises(RuntimeError, match="exited 3"):
         supervise(0, budget=None, code=3)
+    # 143: the run stopped for a SIGTERM from elsewhere after its checkpoint
+    # (flashdraft/train/stopping.py): a stop for the next call, not a crash to resume from
+    assert supervise(1, budget=None, code=143) is False
 
 
 CRASHING_TRAIN = """

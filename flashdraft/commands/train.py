@@ -9,12 +9,8 @@ from dataclasses import dataclass, field
 
 from flashdraft import config as cfg
 from flashdraft.config import option
-from flashdraft.log import get_logger
 from flashdraft.train.presets import RunSource
-from flashdraft.train.stopping import EXIT_CODE, TrainingStopped
 from flashdraft.train.trainer import train
-
-log = get_logger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,13 +54,9 @@ def run(args: argparse.Namespace) -> int:
     options: TrainOptions = cfg.from_args(TrainOptions, args)
     if options.allow_config_change and not options.resume:
         raise ValueError("--allow-config-change only applies with --resume")
-    try:
-        train(
-            options.run.load(),
-            resume=options.resume,
-            allow_config_change=options.allow_config_change,
-        )
-    except TrainingStopped as stopped:  # SIGTERM, after a checkpoint (train/stopping.py)
-        log.warning(f"flashdraft train: {stopped}")
-        return EXIT_CODE
+    train(
+        options.run.load(),
+        resume=options.resume,
+        allow_config_change=options.allow_config_change,
+    )
     return 0

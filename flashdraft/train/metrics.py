@@ -106,11 +106,12 @@ class MetricsLogger:
             for name in os.listdir(self.tb_dir):
                 fs.put(os.path.join(self.tb_dir, name), f"{path}/{name}")
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """`exit_code`: what W&B records for the run (`stopping.EXIT_CODE`: stopped early)."""
         self.sync()
         if self._file is not None:
             self._file.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)

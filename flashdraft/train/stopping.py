@@ -1,19 +1,24 @@
 """A graceful stop for `flashdraft train`: SIGTERM writes a checkpoint instead of losing the
 steps since the last one.
 
-SIGTERM is how a run is told to go: a scheduler's preemption (Slurm and Kubernetes send
-it, then SIGKILL after a grace period), `kill`, `timeout`, and torchrun, which passes its own
-SIGTERM on to every worker and kills them 30 s later. Python's default is to die at once.
-While a `StopRequest` is installed, SIGTERM only sets a flag; the trainer folds the flag
-into the sum it already all-reduces at every log point (no extra collective, no extra
-sync), so every rank stops after the same step, writes the checkpoint there and exits with
-`EXIT_CODE`; `--resume` then continues exactly as from any other checkpoint. A second
-SIGTERM kills at once, as before.
+SIGTERM is how a run is told to go: a scheduler's preemption or time limit (Slurm and
+Kubernetes send it, then SIGKILL after a grace period), `kill`, `timeout`, and torchrun, which
+sends its own SIGTERM on to every worker and kills them 30 s later. Python's default is to
+die at once. While a `StopRequest` is installed, SIGTERM only sets a flag, however often it
+comes (under Slurm a worker gets Slurm's and torchrun's; the launcher's SIGKILL still ends a
+run that overstays). The trainer folds the flag into the sum it already all-reduces at every
+log point (no extra collective, no extra sync), so every rank stops after the same step: the
+first log point after the flag at which the target's run-ahead group (`target.forward_rows`)
+ends, so that the resumed run forms the same groups. There it writes the checkpoint and
+exits with `EXIT_CODE`; `--resume` continues exactly as from any other checkpoint.
 
-A SIGTERM during the set-up stops the run at its first log point. Only the colocated
-placement stops this way: in the split placement the target ranks run ahead of the drafters
-through a queue, so a stop agreed among the drafters would leave them sending; there
-SIGTERM still ends the process and `--resume` goes back to the last periodic checkpoint.
+The grace period has to cover the steps to that log point, an in-training eval if one falls
+there, and the checkpoint. The handler is installed once the run is planned (before the
+target and the drafter are built), so a SIGTERM during their set-up or the first compile
+stops the run at its first log point. Only the colocated placement stops this way: in the
+split placement the target ranks run ahead of the drafters through a queue, so a stop agreed
+among the drafters would leave them sending; there SIGTERM still ends the process and
+`--resume` goes back to the last periodic checkpoint.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-# 128 + SIGTERM: what a shell reports for a process SIGTERM ended, so a scheduler or a
-# script that checks the status sees an unfinished run (and may requeue it).
+# 128 + SIGTERM: what a shell reports for a process SIGTERM ended, so a script that checks
+# the status sees an unfinished run. Under torchrun each worker exits with it and torchrun
+# itself exits 1, as for any failed worker.
 EXIT_CODE = 128 + signal.SIGTERM
 
 
@@ -46,11 +52,16 @@ class StopRequest:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested = False
-        self._previous: Any = None
+        self._previous: Any = signal.SIG_DFL
 
     def __enter__(self) -> StopRequest:
         if self.enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._note)
+            previous = signal.signal(signal.SIGTERM, self._note)
+            # None: a handler not installed from Python; put the default back after
+            self._previous = signal.SIG_DFL if previous is None else previous
+            # Restart system calls SIGTERM interrupts (Python's handlers do not by default): a
+            # blocking call in a gloo / NCCL / store thread must not fail with EINTR.
+            signal.siginterrupt(signal.SIGTERM, False)
         return self
 
     def __exit__(
@@ -64,6 +75,5 @@ class StopRequest:
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag here (a handler runs between any two bytecodes, a log call's included);
-        # the trainer says what happens once the ranks agree. The next SIGTERM kills.
+        # the trainer says what happens once the ranks agree.
         self.requested = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -66,7 +66,7 @@ from flashdraft.train.schedule import Stopwatch, lr_at
 from flashdraft.train.server import serve_target
 from flashdraft.train.step import DraftBatch, draft_loss
 from flashdraft.train.step_rows import PHASES, Interval, StepRows
-from flashdraft.train.stopping import StopRequest, TrainingStopped
+from flashdraft.train.stopping import EXIT_CODE, StopRequest, TrainingStopped
 
 log = get_logger(__name__)
 
@@ -74,18 +74,18 @@ log = get_logger(__name__)
 class Trainer:
     """The drafter side of a run. Where the target's features come from (this rank's own
     target, or a target rank) is the feature source's business, not the trainer's.
-    `target_model` may be passed in already built (benchmarks, tests); `stop`: the SIGTERM
-    flag it checks at every log point (`train/stopping.py`; None: never stops early)."""
+    `target_model` may be passed in already built (benchmarks, tests); `sigterm`: the flag it
+    reads at every log point (`train/stopping.py`; None: never stops early)."""
 
     def __init__(
-        self, plan: RunPlan, target_model: Any = None, stop: StopRequest | None = None
+        self, plan: RunPlan, target_model: Any = None, sigterm: StopRequest | None = None
     ) -> None:
         started = time.perf_counter()  # the set-up's time, by part, goes into the banner
         config, info = plan.config, plan.info
         self.plan, self.config, self.info = plan, config, info
         self.placement = plan.placement
-        self.stop = stop
-        self.stopping = False  # every replica saw a stop request at the last log point
+        self.sigterm = sigterm
+        self.stop_agreed = False  # some replica had a SIGTERM by the last log point
         self.device = info.device
         self.backend = default_backend(self.device)
         self.run_dir = config.output
@@ -304,13 +304,13 @@ class Trainer:
         assert interval.stats is not None
         # The stop request rides in the sum every replica makes here anyway: all of them then
         # stop after this same step (a SIGTERM reaches ranks at different steps).
-        asked = float(self.stop is not None and self.stop.requested)
+        asked = float(self.sigterm is not None and self.sigterm.requested)
         counts = torch.tensor(
             [interval.tokens, interval.rows, asked], dtype=torch.float64, device=self.device
         )
         flat = dp_all_reduce_sum(torch.cat([interval.stats.flat(), counts]), self.placement)  # sync
         summary = BlockStats.from_flat(flat[:-3], self.block).summary()
-        tokens, rows, self.stopping = int(flat[-3]), int(flat[-2]), bool(flat[-1] > 0)
+        tokens, rows, self.stop_agreed = int(flat[-3]), int(flat[-2]), bool(flat[-1] > 0)
         wall = time.perf_counter() - interval.started
         epoch, _ = self.stream.locate(min(self.cursor, self.plan.total_rows - 1))
         record = {
@@ -455,17 +455,13 @@ class Trainer:
                         )  # fmt: skip
                 last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
-            stop = self.stopping and not finished
-            if checkpoint_now or finished or stop:
+            # A stop waits for the end of the target's run-ahead group (the same step on
+            # every rank): a resumed run then forms the same groups, bit for bit.
+            stop_here = self.stop_agreed and not finished and not rows.upcoming
+            if checkpoint_now or finished or stop_here:
                 self._checkpoint()
-            if stop:
-                if progress is not None:
-                    progress.close()
-                if self.logger is not None:
-                    self.logger.close()
-                raise TrainingStopped(
-                    self.step, self.total_steps, step_dir(self.run_dir, self.step)
-                )
+            if stop_here:
+                self._stop(progress)
         if progress is not None:
             progress.close()
         exported = time.perf_counter()
@@ -474,6 +470,14 @@ class Trainer:
             looped, export_s = exported - fit_started, time.perf_counter() - exported
             log.info(self._time_spent(looped, self.step - first_step, first_s, export_s))
         return last_record
+
+    def _stop(self, progress: Any) -> None:
+        """End a run that SIGTERM stopped, its checkpoint just written (every rank)."""
+        if progress is not None:
+            progress.close()
+        if self.logger is not None:
+            self.logger.close(exit_code=EXIT_CODE)
+        raise TrainingStopped(self.step, self.total_steps, step_dir(self.run_dir, self.step))
 
     def _time_spent(self, looped: float, steps: int, first: float, export: float) -> str:
         """Where this process's time went, set-up to export (a device call's start-up and
@@ -540,8 +544,8 @@ def train(
             barrier(info)
         else:
             # SIGTERM checkpoints and stops (colocated; train/stopping.py says why not split)
-            with StopRequest(enabled=plan.placement.kind == "colocated") as stop:
-                record = Trainer(plan, target_model, stop).fit()
+            with StopRequest(enabled=plan.placement.kind == "colocated") as sigterm:
+                record = Trainer(plan, target_model, sigterm).fit()
     finally:
         shutdown(info)
     if record:

@@ -3,6 +3,7 @@ global batch, in both placements, and resuming on a different world size."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -170,8 +171,10 @@ def test_two_colocated_processes_match_one_and_resume_on_one(
 
 
 def _trace(folder: Path, rank: int) -> list[dict]:
+    """The events of `rank` written so far (a line still being written left out)."""
     path = folder / f"trace-rank{rank}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(x) for x in lines]
 
 
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(
@@ -186,18 +189,27 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHDRAFT_TRACE": str(trace)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "flashdraft.cli", "train", *_settings(run, tiny_qwen3_dir, qwen_data, **extra)]
-    with (tmp_path / "out.txt").open("w+") as out:
-        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    output = tmp_path / "out.txt"
+    with output.open("w") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
         deadline = time.monotonic() + 300
         # rank 1's process, once rank 0 has begun its first step
         while not any(e["event"] == "row" for e in _trace(trace, 0)):
-            assert process.poll() is None and time.monotonic() < deadline, out.read()[-4000:]
+            assert process.poll() is None and time.monotonic() < deadline, output.read_text()
             time.sleep(0.05)
         pid = next(e["pid"] for e in _trace(trace, 1) if e["event"] == "role")
         os.kill(pid, signal.SIGTERM)
         process.wait(timeout=300)
-        out.seek(0)
-        log = out.read()
+    finally:  # nothing left running on a failure: torchrun, and its workers (own sessions)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            for rank in (0, 1):
+                for pid in (e["pid"] for e in _trace(trace, rank) if e["event"] == "role"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+    log = output.read_text()
     # torchrun reports its workers' 143 (the one it may SIGTERM itself once the other has
     # exited can end with -15 instead, its checkpoint written: the ranks passed its barrier)
     assert process.returncode != 0 and re.search(r"exitcode\s*:\s*143\b", log), log[-4000:]

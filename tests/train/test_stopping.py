@@ -18,15 +18,16 @@ def _wait_for(flag: StopRequest) -> None:
         time.sleep(0.001)
 
 
-def test_sigterm_sets_the_flag_and_the_next_one_kills() -> None:
+def test_sigterm_sets_the_flag_however_often_it_comes() -> None:
+    """Under Slurm a torchrun worker gets SIGTERM twice (Slurm's, then torchrun's): the second
+    must not kill it before its checkpoint. The handler is put back on the way out."""
     before = signal.getsignal(signal.SIGTERM)
     with StopRequest() as stop:
         assert not stop.requested and signal.getsignal(signal.SIGTERM) != before
-        os.kill(os.getpid(), signal.SIGTERM)
-        _wait_for(stop)
-        assert stop.requested
-        # the first SIGTERM asked for a checkpoint; a second one is not caught
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for(stop)
+            assert stop.requested
     assert signal.getsignal(signal.SIGTERM) == before
 
 
@@ -46,10 +47,5 @@ def test_a_disabled_request_or_one_outside_the_main_thread_installs_nothing() ->
     assert seen == [False] and signal.getsignal(signal.SIGTERM) == before
 
 
-def test_the_stop_says_where_to_resume_from_and_exits_as_sigterm_would() -> None:
-    stopped = TrainingStopped(6, 12, "runs/r/checkpoints/step_00000006")
-    assert str(stopped) == (
-        "stopped by SIGTERM after step 6 of 12; checkpoint runs/r/checkpoints/step_00000006 "
-        "written: run the same command with --resume to go on"
-    )
-    assert stopped.step == 6 and EXIT_CODE == 143
+def test_the_stop_exits_as_a_process_sigterm_ended() -> None:
+    assert TrainingStopped(6, 12, "c").step == 6 and EXIT_CODE == 128 + 15
