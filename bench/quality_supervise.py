@@ -17,6 +17,8 @@ from flashdraft.log import get_logger
 from flashdraft.train.checkpoint import complete_checkpoints, step_dir
 from flashdraft.train.stopping import EXIT_CODE
 
+STOPPED = "stopped by SIGTERM after step"  # the line `flashdraft train` ends with then
+
 log = get_logger("bench.quality")
 
 
@@ -69,17 +71,20 @@ def supervise(
                 # the run checkpoints again at its next log point (where its run-ahead
                 # group ends), then exits 143 (flashdraft/train/stopping.py): none lost
                 process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
+                try:  # longer than torchrun's own 30 s for its workers
+                    process.wait(timeout=45)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-                return False
-    if process.returncode == EXIT_CODE:  # a SIGTERM from elsewhere: checkpointed, not a crash
+                # finished after all (its last steps came before its next log point): done
+                return (run_dir / "export" / "config.json").exists()
+    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    # A SIGTERM from elsewhere: checkpointed, a stop and not a crash. One process exits 143;
+    # torchrun exits 1 once its workers did, so their line says it.
+    if process.returncode == EXIT_CODE or any(STOPPED in line for line in tail):
         log.info(f"train: stopped by SIGTERM at step {_latest_step(run_dir)} ({log_path})")
         return False
     if process.returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
         raise RuntimeError(f"train exited {process.returncode}; {log_path}:\n" + "\n".join(tail))
     return (run_dir / "export" / "config.json").exists()
 

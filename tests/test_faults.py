@@ -120,16 +120,20 @@ def test_train_killed_at_a_random_point_resumes_to_the_uninterrupted_run(
 def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for_bit(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
-    """One process, the target running ahead over 3 steps (groups [0, 3), [3, 6), ...; no
-    periodic checkpoint before the end): a SIGTERM after the step-2 log line is agreed at
-    the step-4 log point, which falls inside a group, so the run goes on to step 6, where the
-    group ends, writes its checkpoint there and exits 143. Resumed, it ends bit for bit as
-    the run in one go (a stop inside the group would resume into other groups)."""
+    """One process, the target running ahead over 3 steps (groups [0, 3), [3, 6), ...; log
+    lines every 2 steps; no periodic checkpoint before the end). A SIGTERM in the first step
+    is agreed at the step-2 log point (at step 4 on a slow machine), inside a group; the
+    run stops at the first log point that ends a group, step 6, not at step 3 (a group's end
+    between two log lines: unlogged, unchecked) nor inside a group (the resumed run would
+    form other groups): its checkpoint, exit 143, and resumed, bit for bit the run in one
+    go, metrics included."""
     ahead = {**TRAIN, "target.forward_rows": 3, "checkpoint.every": 12}
     whole, run = tmp_path / "whole", tmp_path / "run"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **ahead)]) == 0
     settings = train_settings(run, tiny_qwen3_dir, qwen_data, **ahead)
+    trace = tmp_path / "trace" / "trace-rank0.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env["FLASHDRAFT_TRACE"] = str(trace.parent)
     log = tmp_path / "stderr.txt"
     with log.open("wb") as stderr:
         process = subprocess.Popen(
@@ -140,8 +144,7 @@ def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for
         )
     try:
         deadline = time.monotonic() + 240
-        metrics = run / "metrics.jsonl"
-        while not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+        while not (trace.exists() and '"event": "row"' in trace.read_text()):  # step 1 began
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
@@ -151,7 +154,10 @@ def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for
             process.kill()
             process.wait()
     err = log.read_text()
-    assert f"flashdraft train: stopped by SIGTERM after step 6 of 12; checkpoint {run}" in err
+    assert (
+        f"flashdraft train: stopped by SIGTERM after step 6 of 12; checkpoint {run}/checkpoints/"
+        "step_00000006 written: run the same command with --resume to go on"
+    ) in err
     assert "Traceback" not in err
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000006"]
     assert not (run / "export").exists()

@@ -64,6 +64,15 @@ def test_training_stops_just_after_a_checkpoint_at_the_deadline(
     # 143: the run stopped for a SIGTERM from elsewhere after its checkpoint
     # (flashdraft/train/stopping.py): a stop for the next call, not a crash to resume from
     assert supervise(1, budget=None, code=143) is False
+    # the same under torchrun, which exits 1 once its workers exited 143: their line says it
+    torchrun = tmp_path / "torchrun_stopped.py"
+    torchrun.write_text(
+        "import sys\nprint('[rank 1] flashdraft train: stopped by SIGTERM after step 3 of 9; "
+        "checkpoint run/checkpoints/step_00000003 written: run the same command with --resume "
+        "to go on')\nsys.exit(1)\n"
+    )
+    command = [sys.executable, str(torchrun)]
+    assert supervise_module.supervise(command, tmp_path / "log2", run, None) is False
 
 
 CRASHING_TRAIN = """

@@ -9,13 +9,16 @@ comes (under Slurm a worker gets Slurm's and torchrun's; the launcher's SIGKILL 
 run that overstays). The trainer folds the flag into the sum it already all-reduces at every
 log point (no extra collective, no extra sync), so every rank stops after the same step: the
 first log point after the flag at which the target's run-ahead group (`target.forward_rows`)
-ends, so that the resumed run forms the same groups. There it writes the checkpoint and
-exits with `EXIT_CODE`; `--resume` continues exactly as from any other checkpoint.
+ends, so that the resumed run forms the same groups and logs the same intervals. With
+`log.every` a multiple of the steps in a group (forward_rows / grad_accum, as in the presets)
+that is the next log point; otherwise it may be the next checkpoint, eval or the run's end
+(then the run just finishes). There it writes the checkpoint and exits with `EXIT_CODE`;
+`--resume` continues exactly as from any other checkpoint.
 
 The grace period has to cover the steps to that log point, an in-training eval if one falls
 there, and the checkpoint. The handler is installed once the run is planned (before the
 target and the drafter are built), so a SIGTERM during their set-up or the first compile
-stops the run at its first log point. Only the colocated placement stops this way: in the
+stops the run at its first such log point. Only the colocated placement stops this way: in the
 split placement the target ranks run ahead of the drafters through a queue, so a stop agreed
 among the drafters would leave them sending; there SIGTERM still ends the process and
 `--resume` goes back to the last periodic checkpoint.
@@ -39,8 +42,7 @@ class TrainingStopped(Exception):
 
     def __init__(self, step: int, total: int, checkpoint: str) -> None:
         super().__init__(
-            f"stopped by SIGTERM after step {step} of {total}; checkpoint {checkpoint} written: "
-            "run the same command with --resume to go on"
+            f"stopped by SIGTERM after step {step} of {total}; checkpoint {checkpoint} written"
         )
         self.step = step
 
@@ -59,8 +61,8 @@ class StopRequest:
             previous = signal.signal(signal.SIGTERM, self._note)
             # None: a handler not installed from Python; put the default back after
             self._previous = signal.SIG_DFL if previous is None else previous
-            # Restart system calls SIGTERM interrupts (Python's handlers do not by default): a
-            # blocking call in a gloo / NCCL / store thread must not fail with EINTR.
+            # Restart the system calls SIGTERM interrupts that can be (Python's handlers do
+            # not by default): fewer blocking calls in gloo / NCCL / store threads see EINTR.
             signal.siginterrupt(signal.SIGTERM, False)
         return self
 

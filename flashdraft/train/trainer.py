@@ -303,7 +303,7 @@ class Trainer:
     ) -> dict[str, Any]:
         assert interval.stats is not None
         # The stop request rides in the sum every replica makes here anyway: all of them then
-        # stop after this same step (a SIGTERM reaches ranks at different steps).
+        # agree on it at the same step (a SIGTERM reaches ranks at different steps).
         asked = float(self.sigterm is not None and self.sigterm.requested)
         counts = torch.tensor(
             [interval.tokens, interval.rows, asked], dtype=torch.float64, device=self.device
@@ -443,7 +443,8 @@ class Trainer:
             finished = self.step == self.total_steps
             eval_now = self.held_out.on and (self.step % config.eval.every == 0 or finished)
             # Log at every checkpoint too, so a resumed run logs exactly the same intervals.
-            if self.step % config.log.every == 0 or checkpoint_now or finished or eval_now:
+            logged = self.step % config.log.every == 0 or checkpoint_now or finished or eval_now
+            if logged:
                 self._check_finite()  # before anything is evaluated, logged or written
                 extra = {}
                 if eval_now:
@@ -455,9 +456,10 @@ class Trainer:
                         )  # fmt: skip
                 last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
-            # A stop waits for the end of the target's run-ahead group (the same step on
-            # every rank): a resumed run then forms the same groups, bit for bit.
-            stop_here = self.stop_agreed and not finished and not rows.upcoming
+            # A stop is at a log point (checked finite, its interval logged) that ends the
+            # target's run-ahead group (the same step on every rank): the resumed run then
+            # forms the same groups and logs the same intervals, bit for bit.
+            stop_here = self.stop_agreed and logged and not finished and not rows.upcoming
             if checkpoint_now or finished or stop_here:
                 self._checkpoint()
             if stop_here:
