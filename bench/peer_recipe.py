@@ -101,7 +101,7 @@ def train_peer(
     flat: dict[str, Any],
     config: PeerRecipeConfig,
     settings: dict[str, Any],
-    sigterm: StopRequest | None = None,
+    sigterm: StopRequest,
 ) -> dict[str, Any] | None:
     """`plan.total_steps` steps of speculators' DFlash on flashdraft's packed rows: the target
     runs each row through flashdraft's `Target` (its K taps, as the trainer feeds them), plus
@@ -187,7 +187,7 @@ def train_peer(
             # The first log record at or after each multiple of --save-every saves too.
             due = config.save_every and step % config.save_every < config.log_every
             # SIGTERM (`timeout`, `kill`, a preemption) saves at this record as well
-            asked = sigterm is not None and sigterm.requested
+            asked = sigterm.requested
             stop = step < plan.total_steps and (asked or out_of_time(config, SAVE_S))
             if stop or (due and step < plan.total_steps):
                 progress = {

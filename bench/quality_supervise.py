@@ -15,9 +15,7 @@ from pathlib import Path
 
 from flashdraft.log import get_logger
 from flashdraft.train.checkpoint import complete_checkpoints, step_dir
-from flashdraft.train.stopping import EXIT_CODE
-
-STOPPED = "stopped by SIGTERM after step"  # the line `flashdraft train` ends with then
+from flashdraft.train.stopping import EXIT_CODE, STOPPED
 
 log = get_logger("bench.quality")
 

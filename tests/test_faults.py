@@ -40,10 +40,18 @@ SEED = 15  # the issue's number: the kill points below are drawn from it
 TRAIN = {"optim.max_steps": 12, "checkpoint.every": 4, "log.every": 2}
 
 
-def _kill_when(command: list[str], ready: Callable[[], bool], delay: float, log: Path) -> None:
-    """Run `flashdraft COMMAND` in a subprocess and SIGKILL it `delay` seconds after
-    `ready()` first holds; the process must still have been running then."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def _signal_when(
+    command: list[str],
+    ready: Callable[[], bool],
+    delay: float,
+    log: Path,
+    sig: int = signal.SIGKILL,
+    **env: str,
+) -> int:
+    """Run `flashdraft COMMAND` in a subprocess (`env` added to its environment), send it
+    `sig` `delay` seconds after `ready()` first holds, and return its exit status; it must
+    still have been running when `ready()` held. Nothing is left running."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
     with log.open("wb") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "flashdraft.cli", *command],
@@ -51,15 +59,25 @@ def _kill_when(command: list[str], ready: Callable[[], bool], delay: float, log:
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
+    try:
         deadline = time.monotonic() + 240
         while not ready():
             assert process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the kill point was never reached"
+            assert time.monotonic() < deadline, "the signal point was never reached"
             time.sleep(0.01)
         time.sleep(delay)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert process.returncode == -signal.SIGKILL, "finished before the kill: move the point"
+        process.send_signal(sig)
+        return process.wait(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _kill_when(command: list[str], ready: Callable[[], bool], delay: float, log: Path) -> None:
+    """`_signal_when` with SIGKILL: no clean-up runs."""
+    code = _signal_when(command, ready, delay, log)
+    assert code == -signal.SIGKILL, "finished before the kill: move the point"
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -131,29 +149,16 @@ def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for
     whole, run = tmp_path / "whole", tmp_path / "run"
     assert cli.main(["train", *train_settings(whole, tiny_qwen3_dir, qwen_data, **ahead)]) == 0
     settings = train_settings(run, tiny_qwen3_dir, qwen_data, **ahead)
-    trace = tmp_path / "trace" / "trace-rank0.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env["FLASHDRAFT_TRACE"] = str(trace.parent)
-    log = tmp_path / "stderr.txt"
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "flashdraft.cli", "train", *settings],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-    try:
-        deadline = time.monotonic() + 240
-        while not (trace.exists() and '"event": "row"' in trace.read_text()):  # step 1 began
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.01)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=240) == 143, log.read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    trace, log = tmp_path / "trace" / "trace-rank0.jsonl", tmp_path / "stderr.txt"
+
+    def began() -> bool:  # step 1
+        return trace.exists() and '"event": "row"' in trace.read_text()
+
+    code = _signal_when(
+        ["train", *settings], began, 0.0, log, signal.SIGTERM, FLASHDRAFT_TRACE=str(trace.parent)
+    )
     err = log.read_text()
+    assert code == 143, err[-3000:]
     assert (
         f"flashdraft train: stopped by SIGTERM after step 6 of 12; checkpoint {run}/checkpoints/"
         "step_00000006 written: run the same command with --resume to go on"

@@ -9,7 +9,7 @@ target, or a target rank through the split placement's `server`); the parallel l
 (`parallel`: torchrun, compile, DDP/FSDP2, placement, point-to-point channels); the memory
 `preflight`; resumable `checkpoint`s; `metrics`; the in-training eval (`held_out`); the
 rows of each step, the target running ahead over a group (`step_rows`); the `trainer` loop
-that ties them together, and its checkpointed stop at SIGTERM (`stopping`); and `bench`, the timing behind `flashdraft bench`. May import
-`model`, `data`, `eval` (in-training evaluation), `export` and the base layer; never
-`commands`.
+that ties them together, and its checkpointed stop at SIGTERM (`stopping`); and `bench`, the
+timing behind `flashdraft bench`. May import `model`, `data`, `eval` (in-training
+evaluation), `export` and the base layer; never `commands`.
 """

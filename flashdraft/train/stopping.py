@@ -35,15 +35,15 @@ from typing import Any
 # the status sees an unfinished run. Under torchrun each worker exits with it and torchrun
 # itself exits 1, as for any failed worker.
 EXIT_CODE = 128 + signal.SIGTERM
+# How the stop's one line begins (`TrainingStopped`): a supervisor reads it in a log.
+STOPPED = "stopped by SIGTERM after step"
 
 
 class TrainingStopped(Exception):
     """Raised on every rank once the run stopped for SIGTERM, after its checkpoint."""
 
     def __init__(self, step: int, total: int, checkpoint: str) -> None:
-        super().__init__(
-            f"stopped by SIGTERM after step {step} of {total}; checkpoint {checkpoint} written"
-        )
+        super().__init__(f"{STOPPED} {step} of {total}; checkpoint {checkpoint} written")
         self.step = step
 
 
