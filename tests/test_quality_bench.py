@@ -337,9 +337,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's,
-    # s42's, s43's two, s44's, s45's two and s36's
+    # s42's, s43's two, s44's, s45's two, s50's two and s36's
     pairs_lines = [argv for argv in lines if argv[0] == "pairs"]
-    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s45, s45p, s36 = pairs_lines
+    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s45, s45p, s50, s50p, s36 = pairs_lines
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -519,6 +519,26 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     assert "| l7x6 | 3.108 (1) | 1.086 [1.03-1.13] |" in md  # before chat's loops
     assert "| l7x6 | 1.580 (1) | 1.098 [1.06-1.13] |" in md  # T = 1
     assert "| l7x6 | 1.044-1.059 (2) | 1.181-1.188 (2) | 1.151-1.154 (2) |" in md
+    # s50's: at one shape (7 x 352, 2 epochs, one seed a side) flashdraft's recipe over the
+    # peer's by >= 1.08 on every kind; the peer at 7 x 352 level with itself at 5 x 704
+    runs, md = pairs(s50, "s50")
+    assert runs == ["peer", "l7m352"]
+    assert "| peer | 6.772 (1) | — | 2.762 (1) | — | 3.604 (1) | — |" in md
+    assert (
+        "| l7m352 | 7.413 (1) | 1.095 [1.04-1.15] | 3.275 (1) | 1.186 [1.15-1.22] "
+        "| 4.097 (1) | 1.137 [1.09-1.18] |"
+    ) in md
+    assert "| l7m352 | 2.708 (1) | 1.141 [1.05-1.21] |" in md  # before chat's loops
+    assert "| l7m352 | 1.557 (1) | 1.082 [1.04-1.12] |" in md  # T = 1
+    copying = md.split("chat, T = 0, inside established loops")[1].split("\n\n")[1]
+    assert "| peer | 237 | 0.86 |" in copying and "| l7m352 | 220 | 0.98 |" in copying
+    runs, md = pairs(s50p, "s50p")
+    assert runs == ["peer", "peer7x2"]
+    assert (
+        "| peer7x2 | 6.772 (1) | 0.982 [0.95-1.01] | 2.762 (1) | 1.010 [1.00-1.03] "
+        "| 3.604 (1) | 1.031 [1.00-1.07] |"
+    ) in md
+    assert "| peer7x2 | 1.439 (1) | 0.996 [0.97-1.02] |" in md  # T = 1
     # the `curves` lines: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
     # and level by step 4,000, as the s41 record says; the peer's two seeds by its eal (s43)
     curves, peer_curves = [argv for argv in lines if argv[0] == "curves"]
