@@ -1,4 +1,5 @@
-"""When things happen in a run: the learning-rate schedule and a stopwatch for its phases."""
+"""When things happen in a run: the learning-rate schedule, a stopwatch for its phases, and
+where a process's time went."""
 
 from __future__ import annotations
 
@@ -57,3 +58,32 @@ class Stopwatch:
                 spans[-1][1].synchronize()
             return sum(a.elapsed_time(b) for a, b in spans) / 1e3
         return float(sum(b - a for a, b in spans))
+
+
+def time_spent(
+    *,
+    setup: float,
+    looped: float,
+    steps: int,
+    first: float,
+    saved: int,
+    checkpoints: float,
+    export: float,
+) -> str:
+    """The line `train` ends with: where this process's time went, set-up to export (a device
+    call's start-up and finish outside the steps, s42's open question). `looped`: seconds of
+    the step loop, `first` of its first step, `checkpoints` of the `saved` checkpoints in it;
+    the steps' share is what is left of the loop after the first step and the checkpoints
+    (logging and in-training evals included). The interpreter's start and imports come before
+    the set-up; on several ranks a checkpoint's time includes the wait for the others at its
+    barrier."""
+    rest = max(0.0, looped - first - checkpoints)
+    ran = (
+        f"first step {first:.1f} s, {steps - 1} more steps {rest:.1f} s"
+        if steps
+        else "no step left to run"  # resumed at its last step: only the export
+    )
+    return (
+        f"flashdraft train: {setup + looped + export:.1f} s from set-up to export: set up "
+        f"{setup:.1f} s, {ran}, {saved} checkpoint(s) {checkpoints:.1f} s, export {export:.1f} s"
+    )

@@ -62,7 +62,7 @@ from flashdraft.train.parallel import (
     wrap_drafter,
 )
 from flashdraft.train.plan import RunPlan, initial_drafter, plan_run
-from flashdraft.train.schedule import Stopwatch, lr_at
+from flashdraft.train.schedule import Stopwatch, lr_at, time_spent
 from flashdraft.train.server import serve_target
 from flashdraft.train.step import DraftBatch, draft_loss
 from flashdraft.train.step_rows import PHASES, Interval, StepRows
@@ -470,7 +470,11 @@ class Trainer:
         self._export()
         if self.placement.is_logger:
             looped, export_s = exported - fit_started, time.perf_counter() - exported
-            log.info(self._time_spent(looped, self.step - first_step, first_s, export_s))
+            spent = time_spent(
+                setup=sum(self.setup_s.values()), looped=looped, steps=self.step - first_step,
+                first=first_s, saved=self.saved, checkpoints=self.checkpoint_s, export=export_s,
+            )  # fmt: skip
+            log.info(spent)
         return last_record
 
     def _stop(self, progress: Any) -> None:
@@ -480,25 +484,6 @@ class Trainer:
         if self.logger is not None:
             self.logger.close(exit_code=EXIT_CODE)
         raise TrainingStopped(self.step, self.total_steps, step_dir(self.run_dir, self.step))
-
-    def _time_spent(self, looped: float, steps: int, first: float, export: float) -> str:
-        """Where this process's time went, set-up to export (a device call's start-up and
-        finish outside the steps, s42's open question). The steps' share is what is left of
-        the loop's time after the first step and the checkpoints, logging and in-training
-        evals included; the interpreter's start and imports come before the set-up. On
-        several ranks a checkpoint's time includes the wait for the others at its barrier."""
-        setup = sum(self.setup_s.values())
-        rest = max(0.0, looped - first - self.checkpoint_s)
-        ran = (
-            f"first step {first:.1f} s, {steps - 1} more steps {rest:.1f} s"
-            if steps
-            else "no step left to run"  # resumed at its last step: only the export
-        )
-        return (
-            f"flashdraft train: {setup + looped + export:.1f} s from set-up to export: set up "
-            f"{setup:.1f} s, {ran}, {self.saved} checkpoint(s) {self.checkpoint_s:.1f} s, "
-            f"export {export:.1f} s"
-        )
 
     def _export(self) -> None:
         """The serving-format drafter of the finished run, written and checked by reloading."""

@@ -1,4 +1,4 @@
-"""The learning-rate schedules and the stopwatch."""
+"""The learning-rate schedules, the stopwatch and the line that says where the time went."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashdraft.train.config import OptimSection
-from flashdraft.train.schedule import Stopwatch, lr_at
+from flashdraft.train.schedule import Stopwatch, lr_at, time_spent
 
 
 def test_lr_schedules() -> None:
@@ -52,3 +52,23 @@ def test_stopwatch_sums_the_spans_of_a_phase_and_resets() -> None:
     assert watch.seconds("target") == peeked
     assert watch.seconds("target") == 0.0  # read once: the next interval starts empty
     assert watch.seconds("never") == 0.0
+
+
+def test_the_time_line_adds_up_from_set_up_to_export() -> None:
+    """The loop's time less its first step and its checkpoints is the other steps'; the
+    total is set-up + loop + export; a run resumed at its last step ran no step."""
+    line = time_spent(
+        setup=4.25, looped=30.0, steps=11, first=5.0, saved=2, checkpoints=3.0, export=1.5
+    )
+    assert line == (
+        "flashdraft train: 35.8 s from set-up to export: set up 4.2 s, first step 5.0 s, "
+        "10 more steps 22.0 s, 2 checkpoint(s) 3.0 s, export 1.5 s"
+    )
+    # checkpoints that waited at a barrier can exceed the loop's remainder: never negative
+    assert "0 more steps 0.0 s" in time_spent(
+        setup=0.0, looped=2.0, steps=1, first=1.5, saved=1, checkpoints=1.0, export=0.0
+    )
+    resumed_at_the_end = time_spent(
+        setup=1.0, looped=0.0, steps=0, first=0.0, saved=0, checkpoints=0.0, export=2.0
+    )
+    assert "set up 1.0 s, no step left to run, 0 checkpoint(s)" in resumed_at_the_end
