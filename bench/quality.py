@@ -226,7 +226,7 @@ def pairs(config: QualityConfig) -> dict[str, Any]:
     if config.peer:
         baseline = "peer"
         recipes = {"peer": eval_folders(f"--peer {config.peer}", config.peer), **recipes}
-    table = pairs_tables(recipes, baseline)
+    table = pairs_tables(recipes, baseline, config.same_machine)
     stem, env, command = reading_output(config, "pairs")
     md = Path(f"{stem}.md")
     listing = "".join(

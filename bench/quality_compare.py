@@ -14,6 +14,7 @@ from typing import Any
 
 from quality_positions import copy_tables, outputs, position_tables, split_at_loop
 from quality_report import KIND_NAMES, collect, read_metrics
+from quality_speed import speed_tables
 
 from flashdraft.data.sources import KINDS
 from flashdraft.train.config import as_recorded_now, flatten
@@ -231,7 +232,7 @@ def paired_ratio_text(mine: Reports, theirs: Reports, before_loops_too: bool = T
     return text
 
 
-def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
+def pairs_tables(recipes: dict[str, list[Path]], baseline: str, same_machine: bool = False) -> str:
     """`bench/quality.py pairs`: each recipe's held-out tau over the baseline's, per kind, a
     recipe's runs (its seeds) `pooled` (the intervals then cover the prompts, not the
     seeds); at T = 0, again over the text before the loops, and at T = 1 where both ran it.
@@ -239,7 +240,9 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
     the runs that evaluated it ("(n)": how many). Where a side has several runs, a last
     table gives each run over each baseline run, lowest and highest: the seeds' own spread,
     which the pooled intervals do not cover; then, per kind with loops, each recipe's reach
-    per draft position before the loops and in them (`quality_positions`)."""
+    per draft position before the loops and in them (`quality_positions`), and last each
+    recipe's decode time per token over the baseline's where the evals allow it
+    (`quality_speed`; `same_machine`: the caller vouches for reports without a device name)."""
 
     def read(path: Path) -> dict[str, Any]:
         try:
@@ -321,6 +324,9 @@ def pairs_tables(recipes: dict[str, list[Path]], baseline: str) -> str:
         + run_by_run("_t1")
         + position_tables({k: {n: loaded[n, k] for n in recipes} for k in KINDS})
         + copy_tables({k: {n: loaded[n, k] for n in recipes} for k in KINDS})
+        + speed_tables(
+            {k: {n: loaded[n, k] for n in recipes} for k in kinds_read}, baseline, same_machine
+        )
     )
 
 

@@ -169,6 +169,11 @@ class QualityConfig:
         help="compare: bench/peer_recipe.py's output (default: OUT/runs/peer-speculators); "
         "pairs: the baseline's runs, DIR[,DIR...] (default: the first --runs entry)",
     )
+    same_machine: bool = option(
+        False,
+        help="pairs: the evals ran on one machine in one session (for reports without "
+        "settings.device_name, written before s50): compare their decode times",
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)

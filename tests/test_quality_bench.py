@@ -337,9 +337,9 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
     # the pairs lines read committed records: each runs here and gives its record's ratios,
     # s29's (the peer given flashdraft's anchors), s34's (the peer at its own 512, two
     # seeds, with s33's preset rows, s34's `dpm` and s35's `dps`), s38's, s39's, s40's, s41's,
-    # s42's, s43's two, s44's, s45's two, s50's two and s36's
+    # s42's, s43's two, s44's, s45's two, s50's three and s36's
     pairs_lines = [argv for argv in lines if argv[0] == "pairs"]
-    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s45, s45p, s50, s50p, s36 = pairs_lines
+    s29, s34, s38, s39, s40, s41, s42, s43, s43p, s44, s45, s45p, s50, s50p, s50s, s36 = pairs_lines
     monkeypatch.chdir(ROOT)  # their paths are the repo's
 
     def pairs(argv: list[str], name: str) -> tuple[list[str], str]:
@@ -539,6 +539,17 @@ def test_the_readmes_quality_lines_parse_and_the_shipped_recipe_is_the_first(
         "| 3.604 (1) | 1.031 [1.00-1.07] |"
     ) in md
     assert "| peer7x2 | 1.439 (1) | 0.996 [0.97-1.02] |" in md  # T = 1
+    # s50's speed: the shipped 7 x 352 beside the 5 x 704 in one loop on one H100, two evals
+    # each: tau higher at T = 0, yet slower on chat, mined Python and at T = 1
+    runs, md = pairs(s50s, "s50s")
+    assert runs == ["dpm6", "l7x6"]
+    assert "| l7x6 | 8.188 (2) | 1.016 [" in md and "| l7x6 | 1.592 (2) | 0.980 [" in md
+    speed = md.split("Decode time per output token")[1]
+    assert (
+        "| l7x6 | 0.3693 (5.85x) (2) | 0.952 [0.92-0.99] | 0.5915 (2.94x) (2) | 0.981 [0.95-1.01] "
+        "| 0.5847 (3.73x) (2) | 0.973 [0.96-0.99] | 2.1737 (1.10x) (2) | 0.927 [0.88-0.97] |"
+    ) in speed
+    assert "| dpm6 | 0.3517 (6.16x) (2) | — | 0.5803 (2.99x) (2) |" in speed
     # the `curves` lines: `dpl6`'s training tau_hat over `dpm6`'s (same batches), ahead early
     # and level by step 4,000, as the s41 record says; the peer's two seeds by its eal (s43)
     curves, peer_curves = [argv for argv in lines if argv[0] == "curves"]

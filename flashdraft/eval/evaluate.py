@@ -19,6 +19,7 @@ so the speedup compares like with like; the report says how each ran (`loops`).
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -336,10 +337,18 @@ def evaluate_drafter(
         **({"tie_tolerance": tolerance} if checked else {}),
         "eos_ids": sorted(eos),
         "device": str(loop.device),
+        "device_name": device_name(loop.device),  # timings compare only on one machine
         "target_dtype": str(target_dtype).removeprefix("torch."),
         "drafter_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
     }
     return report
+
+
+def device_name(device: torch.device) -> str:
+    """What ran the loops, recorded beside their timings: the GPU's name, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 # ---- `flashdraft eval`, as library functions ----
