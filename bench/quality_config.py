@@ -171,8 +171,8 @@ class QualityConfig:
     )
     same_machine: bool = option(
         False,
-        help="pairs: the evals ran on one machine in one session (for reports without "
-        "settings.device_name, written before s50): compare their decode times",
+        help="pairs: the evals ran on one machine in one session (for reports that do not "
+        "record settings.machine, written up to s50): compare their decode times",
     )
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ so the speedup compares like with like; the report says how each ran (`loops`).
 from __future__ import annotations
 
 import platform
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -337,7 +338,9 @@ def evaluate_drafter(
         **({"tie_tolerance": tolerance} if checked else {}),
         "eos_ids": sorted(eos),
         "device": str(loop.device),
-        "device_name": device_name(loop.device),  # timings compare only on one machine
+        # what ran the timings: they compare only within one machine's boot (bench/quality_speed)
+        "device_name": device_name(loop.device),
+        "machine": machine_id(),
         "target_dtype": str(target_dtype).removeprefix("torch."),
         "drafter_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
     }
@@ -345,10 +348,29 @@ def evaluate_drafter(
 
 
 def device_name(device: torch.device) -> str:
-    """What ran the loops, recorded beside their timings: the GPU's name, or the CPU's."""
+    """The GPU's name, or the CPU's model with the threads torch uses (CPU times depend on
+    both)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if "model name" in line), model
+            )
+    except OSError:
+        pass
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def machine_id() -> str:
+    """This host and boot (Linux's boot id; elsewhere the host alone): two evals with the same
+    id ran on one machine between two of its restarts, so their times compare."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{socket.gethostname()} {boot.read().strip()}"
+    except OSError:
+        return socket.gethostname()
 
 
 # ---- `flashdraft eval`, as library functions ----

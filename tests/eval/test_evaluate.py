@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 
 import pytest
 import torch
@@ -290,7 +291,10 @@ def test_run_eval_casts_the_drafter_and_records_the_command_settings(
     assert [p["id"] for p in report["per_prompt"]] == ["p0", "p1"]
     settings = report["settings"]
     assert settings["drafter_dtype"] == "float32" and settings["max_new_tokens"] == 6
-    assert settings["device"] == "cpu" and settings["device_name"]  # what ran the timings
+    # what ran the timings: the CPU's model and torch's threads, this host and boot
+    assert settings["device"] == "cpu"
+    assert settings["device_name"].endswith(f", {torch.get_num_threads()} threads")
+    assert settings["machine"].startswith(socket.gethostname())
     assert list(settings)[-5:] == ["target", "drafter", "prompts", "decoder", "compile"]
     assert report["loops"]["baseline"]["decoder"] == "hf"  # auto on a CPU
     assert settings["prompts"] == str(prompts) and settings["drafter"] == "d"
