@@ -19,6 +19,7 @@ so the speedup compares like with like; the report says how each ran (`loops`).
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import socket
 from collections.abc import Sequence
@@ -364,13 +365,15 @@ def device_name(device: torch.device) -> str:
 
 
 def machine_id() -> str:
-    """This host and boot (Linux's boot id; elsewhere the host alone): two evals with the same
-    id ran on one machine between two of its restarts, so their times compare."""
+    """This host and boot as a short hash (Linux's boot id; elsewhere the host alone): two
+    evals with the same id ran on one machine between two of its restarts, so their times
+    compare. Hashed: reports get shared, host names need not be."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
-            return f"{socket.gethostname()} {boot.read().strip()}"
+            seen = f"{socket.gethostname()} {boot.read().strip()}"
     except OSError:
-        return socket.gethostname()
+        seen = socket.gethostname()
+    return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
 # ---- `flashdraft eval`, as library functions ----

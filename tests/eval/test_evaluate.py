@@ -16,6 +16,7 @@ from flashdraft.eval.evaluate import (
     choose_decoder,
     evaluate_drafter,
     load_eval_target,
+    machine_id,
     run_eval,
 )
 from flashdraft.eval.prompts import EvalPrompt, prompt_ids
@@ -291,10 +292,11 @@ def test_run_eval_casts_the_drafter_and_records_the_command_settings(
     assert [p["id"] for p in report["per_prompt"]] == ["p0", "p1"]
     settings = report["settings"]
     assert settings["drafter_dtype"] == "float32" and settings["max_new_tokens"] == 6
-    # what ran the timings: the CPU's model and torch's threads, this host and boot
+    # what ran the timings: the CPU's model and torch's threads, this host and boot, hashed
     assert settings["device"] == "cpu"
     assert settings["device_name"].endswith(f", {torch.get_num_threads()} threads")
-    assert settings["machine"].startswith(socket.gethostname())
+    assert settings["machine"] == machine_id() and len(machine_id()) == 16  # a hash, no host name
+    assert socket.gethostname() not in json.dumps(report)
     assert list(settings)[-5:] == ["target", "drafter", "prompts", "decoder", "compile"]
     assert report["loops"]["baseline"]["decoder"] == "hf"  # auto on a CPU
     assert settings["prompts"] == str(prompts) and settings["drafter"] == "d"
