@@ -576,15 +576,26 @@ peer)
     2> /dev/null
   ;;
 peereval)
-  # carry [".qpeer"]: the peer's dflash export (export_peer-speculators.tgz.part*, as `collect`
-  # sends it) and its peer_report.json, evaluated again by the eval stage of the flashdraft
-  # runs (same prompts, limit and loop), e.g. after --eval-prompts changed; `compare` then
-  # reads runs/peer-speculators/eval/ (2026-12-02: the 8-prompt evals were too noisy on chat)
-  name=${PEER_NAME:-peer-speculators}
-  mkdir -p "$RUN_DIR/runs/$name"
-  cat .qpeer/export_"$name".tgz.part* | tar xzf - -C "$RUN_DIR/runs/$name" || exit 1
-  cp .qpeer/peer_report.json "$RUN_DIR/runs/$name/report.json"
-  quality peereval eval --run "$name" --deadline "${PEER_DEADLINE:-540}"
+  # carry [".qpeer"]: dflash exports (export_NAME.tgz.part*, a tar of export/, as `collect`
+  # sends a peer's; any drafter packed so, e.g. a shipped artifact) and a peer_report.json
+  # (`{}` will do), evaluated by the eval stage of the flashdraft runs (same prompts, limit
+  # and loop); `compare`/`pairs` then read runs/NAME/eval/. PEER_NAME="A B ...": each in turn,
+  # in one call, so their times compare (s50: two drafters twice each on one warm machine);
+  # PEER_DEADLINE applies to each. A NAME already evaluated in this run folder is not again
+  # (the eval stage's markers): give a repeat a new NAME. Every export is checked first.
+  names=${PEER_NAME:-peer-speculators}
+  for name in $names; do
+    if ! compgen -G ".qpeer/export_$name.tgz.part*" > /dev/null || [ ! -f .qpeer/peer_report.json ]; then
+      echo "== peereval: carry .qpeer with export_$name.tgz.part* and peer_report.json"
+      exit 1
+    fi
+  done
+  for name in $names; do
+    mkdir -p "$RUN_DIR/runs/$name"
+    cat .qpeer/export_"$name".tgz.part* | tar xzf - -C "$RUN_DIR/runs/$name" || exit 1
+    cp .qpeer/peer_report.json "$RUN_DIR/runs/$name/report.json"
+    quality "peereval_$name" eval --run "$name" --deadline "${PEER_DEADLINE:-540}"
+  done
   NO_EXPORT=1
   ;;
 multi)

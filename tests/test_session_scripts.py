@@ -620,3 +620,53 @@ def test_two_names_the_missing_gguf_part_before_any_work(tmp_path: Path) -> None
     (parts / "partaa").write_bytes(b"x" * 1000)  # what `one` left; this call carried nothing
     line = two()
     assert "1000 of 98362432 bytes" in line and "(partaa)" in line and ".gguf/partab" in line
+
+
+def test_peereval_evaluates_several_carried_exports_in_turn_after_checking_them_all(
+    tmp_path: Path,
+) -> None:
+    """`peereval` with PEER_NAME="A B": each carried export (.qpeer/export_NAME.tgz.part*, a
+    tar of export/ in parts) is unpacked into its own run folder and evaluated in turn by the
+    eval stage, each with its own log, in one call (so their times compare); a name whose
+    export was not carried stops the call in one line before any eval."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "quality.py").write_text(textwrap.dedent('''
+        import os, sys
+        with open(os.environ["CALLS"], "a") as f:
+            f.write("quality " + " ".join(sys.argv[1:]) + "\\n")
+        print("eval chat: tau 2.000 on 24 prompts")
+    '''))  # fmt: skip
+    qpeer = tmp_path / ".qpeer"
+    qpeer.mkdir()
+    for name in ("a", "b"):
+        export = tmp_path / "src" / name / "export"
+        export.mkdir(parents=True)
+        (export / "config.json").write_text(json.dumps({"drafter": name}))
+        packed = tmp_path / f"{name}.tgz"
+        with tarfile.open(packed, "w:gz") as archive:
+            archive.add(export, arcname="export")
+        data = packed.read_bytes()  # two parts, as split(1) leaves them
+        (qpeer / f"export_{name}.tgz.partaa").write_bytes(data[: len(data) // 2])
+        (qpeer / f"export_{name}.tgz.partab").write_bytes(data[len(data) // 2 :])
+    (qpeer / "peer_report.json").write_text("{}")
+    env = _session_env(tmp_path, PEER_NAME="a b", PEER_DEADLINE="200")
+    done = _session(tmp_path, "peereval", env)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert [c.split()[:5] for c in calls] == [
+        ["quality", "eval", "--run", "a", "--deadline"],
+        ["quality", "eval", "--run", "b", "--deadline"],
+    ]
+    for name in ("a", "b"):
+        run = tmp_path / "run" / "runs" / name
+        assert json.loads((run / "export" / "config.json").read_text()) == {"drafter": name}
+        assert (run / "report.json").read_text() == "{}"
+        assert (tmp_path / "out" / f"peereval_{name}.txt").exists()
+    (tmp_path / "calls.txt").write_text("")
+    done = _session(tmp_path, "peereval", {**env, "PEER_NAME": "a c"})
+    assert done.returncode == 1
+    assert done.stdout.strip().splitlines()[-1] == (
+        "== peereval: carry .qpeer with export_c.tgz.part* and peer_report.json"
+    )
+    assert (tmp_path / "calls.txt").read_text() == ""  # nothing evaluated, not even `a`
