@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import random
 import statistics
 from pathlib import Path
 from typing import Any
 
 from quality_positions import copy_tables, outputs, position_tables, split_at_loop
-from quality_report import KIND_NAMES, collect, read_metrics
+from quality_report import KIND_NAMES, cluster_ratio_interval, collect, read_metrics
 from quality_speed import speed_tables
 
 from flashdraft.data.sources import KINDS
@@ -121,21 +120,8 @@ def tau_ratio_interval(
         sums[1] += len(x["acceptance_lengths"])
         sums[2] += sum(y["acceptance_lengths"])
         sums[3] += len(y["acceptance_lengths"])
-    groups = list(clusters.values())
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        draw = [groups[rng.randrange(len(groups))] for _ in groups]
-        steps_a, steps_b = sum(g[1] for g in draw), sum(g[3] for g in draw)
-        if steps_a == 0 or steps_b == 0:
-            continue
-        tau_a, tau_b = sum(g[0] for g in draw) / steps_a, sum(g[2] for g in draw) / steps_b
-        if tau_b > 0:
-            ratios.append(tau_a / tau_b)
-    if not ratios:
-        return None
-    ratios.sort()
-    return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
+    groups = [(g[0], g[1], g[2], g[3]) for g in clusters.values()]
+    return cluster_ratio_interval(groups, resamples=resamples, seed=seed)
 
 
 def before_loops(report: dict[str, Any] | None) -> dict[str, Any] | None:

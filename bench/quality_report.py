@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import statistics
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,30 @@ from flashdraft.data.sources import KINDS
 # `bench/quality.py --loops`: where each setting's prepared data and its stage marker live
 PREPARED = {"keep": ("data", "prepare"), "untrain": ("data-loops", "prepare-loops")}
 KIND_NAMES = {"chat": "chat", "humaneval": "code: HumanEval", "code": "code: mined Python"}
+
+
+def cluster_ratio_interval(
+    clusters: list[tuple[float, float, float, float]], *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """A 90% bootstrap interval of (sum a / sum b) / (sum c / sum d) over `clusters` of (a, b,
+    c, d), e.g. a conversation's accepted tokens and verify steps on two sides: each resample
+    draws as many clusters as there are, with replacement (so the interval covers whole
+    sources); a draw where b, c or d sums to 0 is left out; None when none is left. The
+    paired tau intervals of `pairs` and its speed table both read it."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        draw = [clusters[rng.randrange(len(clusters))] for _ in clusters]
+        a, b = sum(g[0] for g in draw), sum(g[1] for g in draw)
+        c, d = sum(g[2] for g in draw), sum(g[3] for g in draw)
+        if b and c and d:
+            ratios.append((a / b) / (c / d))
+    if not ratios:
+        return None
+    ratios.sort()
+    return ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
+
+
 GOALS = {"chat": "≥ 3.0", "humaneval": "≥ 3.5", "code": "—"}
 
 

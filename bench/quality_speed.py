@@ -11,10 +11,9 @@ every report ran the same prompts in the same kind of loop with the same `settin
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from quality_report import KIND_NAMES
+from quality_report import KIND_NAMES, cluster_ratio_interval
 
 Reports = list[dict[str, Any]]
 
@@ -87,20 +86,10 @@ def speed_ratio(
     ms_a, ms_b = ms_per_token(a), ms_per_token(b)
     if ms_a is None or ms_b is None:
         return None
-    groups = sorted(set(keys))
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        draw = [groups[rng.randrange(len(groups))] for _ in groups]
-        drawn_a = ms_per_token({str(i): a[k] for i, k in enumerate(draw)})
-        drawn_b = ms_per_token({str(i): b[k] for i, k in enumerate(draw)})
-        if drawn_a is not None and drawn_b is not None:
-            ratios.append(drawn_b / drawn_a)
-    if not ratios:
-        return None
-    ratios.sort()
-    low, high = ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios)) - 1]
-    return ms_b / ms_a, low, high
+    # theirs' time per token over mine's, sources in a fixed order (the draws follow it)
+    clusters = [(b[k][0], b[k][1], a[k][0], a[k][1]) for k in sorted(set(keys))]
+    interval = cluster_ratio_interval(clusters, resamples=resamples, seed=seed)
+    return None if interval is None else (ms_b / ms_a, *interval)
 
 
 def _why_not(runs: Reports, same_machine: bool) -> str | None:

@@ -12,9 +12,11 @@ JSON (`print_json`, straight to standard output: the machine-readable result).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import time
@@ -108,6 +110,36 @@ def matmul_peak(device: torch.device, n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 / timing.median_s
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere what `platform` knows)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((ln.split(":", 1)[1].strip() for ln in info if "model name" in ln), model)
+    except OSError:
+        return model
+
+
+def device_name(device: torch.device) -> str:
+    """What runs on `device`, beside its timings: the GPU's name, or the CPU's model with the
+    threads torch uses (CPU times depend on both)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def machine_id() -> str:
+    """This host and boot as a short hash (Linux's boot id; elsewhere the host alone): two
+    timings with the same id ran on one machine between two of its restarts, so they
+    compare. Hashed: reports get shared, host names need not be."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            seen = f"{socket.gethostname()} {boot.read().strip()}"
+    except OSError:
+        seen = socket.gethostname()
+    return hashlib.sha256(seen.encode()).hexdigest()[:16]
+
+
 def environment() -> dict[str, Any]:
     """Versions and hardware for the benchmark record."""
     commit = os.environ.get("FLASHDRAFT_COMMIT", "")
@@ -134,7 +166,7 @@ def environment() -> dict[str, Any]:
         info["gpus"] = torch.cuda.device_count()
         info["cuda"] = torch.version.cuda
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = cpu_model()
         info["threads"] = torch.get_num_threads()
     return info
 

@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except TrainingStopped as stopped:  # not an error: resumable from its checkpoint
-        again = "with --resume" if name == "train" else "again"  # demo resumes by itself
-        log.warning(f"flashdraft {name}: {stopped}: run the same command {again} to go on")
+        log.warning(f"flashdraft {name}: {stopped}: {stopped.go_on}")
         return EXIT_CODE
     except (*USER_ERRORS, *RUN_FAILURES) as err:
         if os.environ.get("FLASHDRAFT_DEBUG"):

@@ -54,6 +54,7 @@ from flashdraft.train.checkpoint import load_drafter
 from flashdraft.train.config import RunConfig
 from flashdraft.train.plan import build_drafter_config, initial_drafter, load_target_config
 from flashdraft.train.presets import smollm2_demo
+from flashdraft.train.stopping import TrainingStopped
 from flashdraft.train.trainer import train
 
 log = get_logger(__name__)
@@ -274,6 +275,9 @@ def run_demo(config: DemoConfig) -> int:
         torch.set_num_threads(os.cpu_count() or 1)
     try:
         return _demo(config, cuda)
+    except TrainingStopped as stopped:  # SIGTERM in its training: it resumes by itself
+        stopped.go_on = "run the same command again to go on"
+        raise
     finally:
         torch.set_num_threads(threads)
 

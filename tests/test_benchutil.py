@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashdraft.benchutil import (
     Timing,
+    cpu_model,
+    device_name,
     environment,
     format_table,
+    machine_id,
     matmul_peak,
     measure,
     print_json,
@@ -89,6 +94,19 @@ def test_environment_records_versions_and_hardware(monkeypatch) -> None:
     else:
         assert {"cpu", "threads"} <= set(info)
     json.dumps(info)  # it goes into the JSON line as it is
+
+
+def test_the_machine_and_device_names_say_what_ran_a_timing() -> None:
+    """The CPU's model from /proc/cpuinfo (not `x86_64`) with torch's threads; the machine as
+    a stable 16-hex hash of host and boot that holds no host name."""
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        model = next(ln for ln in info.read_text().splitlines() if "model name" in ln)
+        assert cpu_model() == model.split(":", 1)[1].strip()
+    assert device_name(torch.device("cpu")) == f"{cpu_model()}, {torch.get_num_threads()} threads"
+    assert machine_id() == machine_id() and len(machine_id()) == 16
+    int(machine_id(), 16)  # hex
+    assert socket.gethostname() not in machine_id()
 
 
 @pytest.mark.parametrize("iters", [2, 10])

@@ -103,3 +103,21 @@ def test_the_demo_eval_prompts_are_held_out_in_the_shipped_drafters_recorded_spl
     assert len(held_out) == 16 and len(train) == 600
     assert all(r["source"] in recorded[r["kind"]] for r in held_out)
     assert not any(r["source"] in recorded[r["kind"]] for r in train)
+
+
+def test_a_sigterm_stop_of_the_demos_training_says_to_run_the_demo_again(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """SIGTERM during the demo's training ends it with exit 143 and the line the user needs:
+    the demo resumes by itself, so "again", where `train` says "with --resume"."""
+    from flashdraft.train.stopping import EXIT_CODE, TrainingStopped
+
+    def stopped(config: demo_module.DemoConfig, cuda: bool) -> int:
+        raise TrainingStopped(3, 10, str(tmp_path / "run" / "checkpoints" / "step_00000003"))
+
+    monkeypatch.setattr(demo_module, "_demo", stopped)
+    with caplog.at_level("WARNING"):
+        assert cli.main(["demo", "--output", str(tmp_path), "--device", "cpu"]) == EXIT_CODE
+    assert caplog.messages[-1].startswith("flashdraft demo: stopped by SIGTERM after step 3 of 10")
+    assert caplog.messages[-1].endswith("written: run the same command again to go on")
+    assert TrainingStopped(1, 2, "c").go_on == "run the same command with --resume to go on"

@@ -19,9 +19,6 @@ so the speedup compares like with like; the report says how each ran (`loops`).
 
 from __future__ import annotations
 
-import hashlib
-import platform
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from flashdraft import config as cfg
+from flashdraft.benchutil import device_name, machine_id
 from flashdraft.config import option
 from flashdraft.data.inference import resolve_dtype
 from flashdraft.eval.fast import StaticDecoder, cache_slots
@@ -346,34 +344,6 @@ def evaluate_drafter(
         "drafter_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
     }
     return report
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model with the threads torch uses (CPU times depend on
-    both)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in info if "model name" in line), model
-            )
-    except OSError:
-        pass
-    return f"{model}, {torch.get_num_threads()} threads"
-
-
-def machine_id() -> str:
-    """This host and boot as a short hash (Linux's boot id; elsewhere the host alone): two
-    evals with the same id ran on one machine between two of its restarts, so their times
-    compare. Hashed: reports get shared, host names need not be."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            seen = f"{socket.gethostname()} {boot.read().strip()}"
-    except OSError:
-        seen = socket.gethostname()
-    return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
 # ---- `flashdraft eval`, as library functions ----

@@ -40,11 +40,13 @@ STOPPED = "stopped by SIGTERM after step"
 
 
 class TrainingStopped(Exception):
-    """Raised on every rank once the run stopped for SIGTERM, after its checkpoint."""
+    """Raised on every rank once the run stopped for SIGTERM, after its checkpoint. `go_on`:
+    what the user runs next, which a caller that resumes by itself (the demo) rewrites."""
 
     def __init__(self, step: int, total: int, checkpoint: str) -> None:
         super().__init__(f"{STOPPED} {step} of {total}; checkpoint {checkpoint} written")
         self.step = step
+        self.go_on = "run the same command with --resume to go on"
 
 
 class StopRequest:

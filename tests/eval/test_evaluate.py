@@ -10,13 +10,13 @@ import pytest
 import torch
 from helpers import drafter_config_for, tiny_llama
 
+from flashdraft.benchutil import machine_id
 from flashdraft.eval.evaluate import (
     EvalConfig,
     check_compatible,
     choose_decoder,
     evaluate_drafter,
     load_eval_target,
-    machine_id,
     run_eval,
 )
 from flashdraft.eval.prompts import EvalPrompt, prompt_ids
