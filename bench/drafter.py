@@ -1,6 +1,6 @@
 """One DFlash drafter training step (fwd + bwd [+ AdamW]) at Qwen3-8B width.
 
-Default geometry (issue 2): 5 layers, hidden 4096, 32 heads / 8 KV heads, head_dim 128,
+Default geometry: 5 layers, hidden 4096, 32 heads / 8 KV heads, head_dim 128,
 intermediate 12288, vocab 151936, K = 5 taps, B = 16, A = 512 anchors over an 8192-token
 row of random target features. Also times a plain 5-layer HF Qwen3 stack fwd+bwd over 8192
 tokens (the reference the drafter is compared with, per query token), and the drafter step

@@ -3,7 +3,7 @@
     python bench/eval.py --drafter RUN_OR_EXPORT      # GPU: a drafter trained by flashdraft
     python bench/eval.py --fit-steps 2000             # GPU, no drafter yet: fit one here first
     python bench/eval.py --smoke                      # CPU, tiny sizes: checks the script runs
-    python bench/eval.py --speed                      # GPU: the decode loops' speed (issue 17)
+    python bench/eval.py --speed                      # GPU: the decode loops' speed
     python bench/eval.py --speed --smoke              # CPU, tiny random target: runs in seconds
 
 Evaluates on held-out prompts of two kinds (HumanEval code prompts, multi-turn chitchat

@@ -2,7 +2,7 @@
 
     python bench/generate.py                  # CUDA: SmolLM2-135M bf16, 512 chitchat prompts
     python bench/generate.py --smoke          # CPU: 8 short prompts, 16 new tokens
-    python bench/generate.py --synthetic      # CUDA: HF vs static backend, batch 256 (issue 17)
+    python bench/generate.py --synthetic      # CUDA: HF vs static backend, batch 256
     python bench/generate.py --synthetic --smoke   # CPU, tiny random target: runs in seconds
 
 Prompts are chitchat conversations whose last assistant turn is regenerated (the real
@@ -173,7 +173,7 @@ def _profiler(enabled: bool) -> Any:
 
 
 def synthetic(args: argparse.Namespace, device: str) -> int:
-    """Generated tokens/s of each backend on the same random prompts (issue 17's row)."""
+    """Generated tokens/s of each backend on the same random prompts."""
     from flashdraft.data.inference import HFBackend, StaticBackend
 
     smoke = args.smoke
@@ -218,8 +218,7 @@ def synthetic(args: argparse.Namespace, device: str) -> int:
             raise ValueError(f"--backends: {name!r} (hf, static)")
         # Warm-up (kernels, graphs, allocations), in two calls of other prompt widths: with
         # --compile-prefill the second prefill width is the one that compiles the symbolic
-        # graph (until 2026-12-03 s16 that happened inside the timed run: its 24.4K tok/s
-        # counted ~2 s of compilation).
+        # graph: outside the timed run, so no compilation is counted as generation.
         for chunk in batches[:1]:
             warm = max(2, batch // 8)
             for part in (chunk[:warm], sorted(chunk, key=len)[:warm]):

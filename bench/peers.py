@@ -1,4 +1,4 @@
-"""One DFlash drafter training step: flashdraft against speculators and SpecForge (issue 10).
+"""One DFlash drafter training step: flashdraft against speculators and SpecForge.
 
 Times forward + backward + optimizer of each framework's DFlash drafter on the same device,
 the same geometry and the same seeded inputs, each in its own subprocess (so one that fails
@@ -11,7 +11,7 @@ or runs out of memory leaves the others standing, and peak memory is per framewo
   * SpecForge    0.2.0 (SGLang project): `OnlineDFlashModel` around `DFlashDraftModel`
                  (from `AutoDraftModel.from_config`), stepped by its `BF16Optimizer`.
 
-Default geometry (issue 10): Qwen3-8B width (hidden 4096, 32 / 8 heads, head_dim 128,
+Default geometry: Qwen3-8B width (hidden 4096, 32 / 8 heads, head_dim 128,
 intermediate 12288, vocab 151936), 5 draft layers, K = 5 taps [1, 9, 17, 25, 33] of 36,
 block B = 16, gamma 7, one 8192-token row with A = 512 anchors and one 32768-token row with
 A = 2048, bf16. The row is one document whose loss mask covers [0, T - B] (the only packed
@@ -22,7 +22,7 @@ row all three express identically: SpecForge takes no document or position ids).
     python bench/peers.py --merge a.json b.json             # one table from both calls
     python bench/peers.py --smoke               # tiny sizes on CPU, fp32: end-to-end check
 
-Each peer must be importable (installed from its PyPI wheel; bench/peers_wheels.sh fetches
+Each peer must be importable (installed from its PyPI wheel; dev/gpu/peers_wheels.sh fetches
 the wheels the GPU image lacks). A loss-parity pass at T = A + B, where every candidate is an
 anchor, runs all three on identical weights, inputs and blocks and compares their losses.
 Prints a table, then one JSON line; where the frameworks' definitions differ (anchors,
@@ -295,7 +295,9 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 r[f"memory_vs_{peer['framework']}"] = round(gb, 3)
         faster = min(peers, key=lambda p: p["timing"]["median_ms"])
         r["time_vs_faster_peer"] = r[f"time_vs_{faster['framework']}"]
-        r["goal_time_met"] = r["time_vs_faster_peer"] <= 0.8  # issue 10: at most 0.8x
+        r["goal_time_met"] = (
+            r["time_vs_faster_peer"] <= 0.8
+        )  # the goal: at most 0.8x the faster peer's time
         if all(p["timing"]["peak_mem_gb"] for p in [*peers, ours]):
             leaner = min(peers, key=lambda p: p["timing"]["peak_mem_gb"])
             r["memory_vs_leaner_peer"] = r[f"memory_vs_{leaner['framework']}"]

@@ -70,7 +70,7 @@ class Geometry:
 
     @property
     def layer_ids(self) -> list[int]:
-        """SPEC 3 default ids (Qwen3-8B, 5 taps -> [1, 9, 17, 25, 33]); SpecForge's rule agrees."""
+        """docs/design.md §3 default ids (Qwen3-8B, 5 taps -> [1, 9, 17, 25, 33]); SpecForge's rule agrees."""
         from flashdraft.model.config import default_target_layer_ids
 
         return default_target_layer_ids(self.target_layers, self.taps)
@@ -157,7 +157,7 @@ def drafter_config(g: Geometry) -> Any:
 
 
 def seeded_weights(g: Geometry, device: torch.device) -> dict[str, Tensor]:
-    """Drafter weights by serving-format name (SPEC 6), fp32, identical in every worker.
+    """Drafter weights by serving-format name (docs/design.md §6), fp32, identical in every worker.
 
     All three frameworks name the drafter's parameters alike (`layers.{i}.self_attn.q_proj.
     weight`, `fc.weight`, ...); each worker loads this dict and checks every name and shape

@@ -51,7 +51,7 @@ def run_flashdraft(case: Case, g: Geometry, device: torch.device) -> dict[str, A
     slot_w = slot_weights(g.block, g.gamma).to(device)
 
     def build(row: Row, anchors: int) -> DraftBatch:
-        # Anchors are drawn on the CPU in the data pipeline (SPEC 4), outside the step.
+        # Anchors are drawn on the CPU in the data pipeline (docs/design.md §4), outside the step.
         gen = torch.Generator().manual_seed(SEED + 2)
         picked, valid = sample_anchors(row.loss_mask[0].cpu(), row.doc_ids[0].cpu(), anchors, gen)
         return DraftBatch(

@@ -1,4 +1,4 @@
-"""Where one prefill batch of the slot decoder spends its time (issue 17: generation).
+"""Where one prefill batch of the slot decoder spends its time (generation).
 
     python bench/prefill_profile.py            # CUDA: SmolLM2-135M-shaped random target
     python bench/prefill_profile.py --smoke    # CPU, tiny

@@ -15,7 +15,7 @@ rows (must not OOM) and with the row prefetch thread off (the effect of overlap)
 heads of 256, linear 16 key / 48 value heads of 128, vocab 248320, partial interleaved RoPE)
 or `27b-dense`, its dense stand-in (the same shape with full attention in every layer, a
 Qwen3). Hybrid: the linear layers run fla's varlen kernels when fla imports (see
-bench/fla_wheels.sh), else the per-document fallback (said at start-up); `--compare-paths`
+dev/gpu/fla_wheels.sh), else the per-document fallback (said at start-up); `--compare-paths`
 also times the full step with the per-document path (packed vs one document at a time through
 the linear layers). `--target-layers N` shortens the target if it does not fit (say so).
 
@@ -309,7 +309,7 @@ def timed_steps(trainer: Trainer, count: int) -> list[float]:
 
 def first_step(args: argparse.Namespace, device: torch.device) -> int:
     """The cold start of a run: trainer built, then its first two steps timed apart, and
-    dynamo's own account of the compilation (issue 17: cold <= 60 s)."""
+    dynamo's own account of the compilation."""
     from torch._dynamo.utils import compile_times
 
     from flashdraft.train.bench import slowest_kernels, unique_graphs

@@ -8,8 +8,8 @@ target. Prompts come from `chitchat-dataset` (real multi-turn chats) and `human-
   3. eval       the untrained drafter: the real draft-and-verify loop on held-out prompts
   4. train      a drafter online against the frozen target
   5. eval       the trained drafter, same prompts
-  6. eval       the reference drafter shipped in the repository (`REFERENCE_DRAFTER`, trained
-                by `bench/quality.py` on a GPU), same prompts: what a full run gives
+  6. eval       the reference drafter shipped with the package (`assets.shipped_drafter`, trained
+                by `experiments/quality.py` on a GPU), same prompts: what a full run gives
   7. export     serving format (done by train; checked by reloading)
 
 Every stage calls the library function its command calls; the training settings are the
@@ -59,11 +59,6 @@ from flashdraft.train.trainer import train
 
 log = get_logger(__name__)
 
-# The reference drafter: the SmolLM2-135M-Instruct run of `bench/quality.py` on a GPU, as
-# a dflash export. It ships with a source checkout, not with the wheel.
-REFERENCE_DRAFTER = (
-    Path(__file__).resolve().parent.parent / "benchmarks" / "artifacts" / "smollm2-135m-dflash"
-)
 REFERENCE_NAME = "reference drafter (shipped, GPU run)"
 # Each drafter's report in the output directory, by its name in summary.json; the reference
 # one exists only when it was evaluated.
@@ -155,7 +150,7 @@ def prompt_sets(samples: int, eval_prompts: int) -> tuple[list[dict], list[dict]
 
 
 def reference_split() -> SourcesConfig:
-    """The split the reference drafter's prompts were built under (`bench/quality.py`: seed 0,
+    """The split the reference drafter's prompts were built under (`experiments/quality.py`: seed 0,
     the default shares); only its split settings are used, nothing is written."""
     return SourcesConfig(output="", seed=0)
 
@@ -311,12 +306,14 @@ def _demo(config: DemoConfig, cuda: bool) -> int:
     with stage("eval trained"):
         evaluate(export, out / "eval_trained.json")
     reference = out / REFERENCE_REPORT
-    if (REFERENCE_DRAFTER / "config.json").exists():
-        with stage("eval reference"):
-            evaluate(REFERENCE_DRAFTER, reference)
-    else:
-        log.info(f"no reference drafter at {REFERENCE_DRAFTER} (a source checkout has it): skipped")
+    try:
+        shipped = assets.shipped_drafter()
+    except FileNotFoundError as e:
+        log.warning(f"{e}: its eval is skipped")
         reference.unlink(missing_ok=True)
+    else:
+        with stage("eval reference"):
+            evaluate(shipped, reference)
     with stage("export"):
         verify_export(load_dflash(str(export), torch.float32), str(export))
     reports = summarise(out, stage.seconds).values()
@@ -389,7 +386,7 @@ def summarise(out: Path, times: dict[str, float]) -> dict[str, dict]:
         summary[f"lossless_{name}"] = report.get("lossless")
         summary[f"lossless_up_to_ties_{name}"] = report.get("lossless_up_to_ties")
     if "reference" in reports:
-        summary["reference_drafter"] = str(REFERENCE_DRAFTER)
+        summary["reference_drafter"] = str(assets.shipped_drafter())
     summary["held_out_split"] = split_settings(reference_split())
     storage.write_json_atomic(str(out / "summary.json"), summary)
     return reports

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers import bench_modules
+from helpers import script_modules
 
 # Test tensors are tiny: intra-op threads only add overhead, and when anything else runs on
 # the 2 CI cores, spinning OpenMP threads slow small ops down by ~100x (measured: 13 ms vs
@@ -47,7 +47,7 @@ def qwen3_tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3ForCausalLM (6 layers, width 64) with the real Qwen3 tokenizer."""
-    from flashdraft.assets import tiny_qwen3
+    from tiny_models import tiny_qwen3
 
     return tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3") / "model")
 
@@ -88,7 +88,7 @@ def smollm2_tokenizer(smollm2_dir: Path) -> object:
 def tiny_qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random hybrid Qwen3.5 (8 layers: 3 linear-attention + 1 full, twice; width 64)
     with the real Qwen3 tokenizer."""
-    from flashdraft.assets import tiny_qwen3_5
+    from tiny_models import tiny_qwen3_5
 
     return tiny_qwen3_5(tmp_path_factory.mktemp("tiny-qwen3_5") / "model")
 
@@ -129,6 +129,6 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[object, dict[str, str]
 
 @pytest.fixture(scope="session")
 def quality() -> ModuleType:
-    """bench/quality.py as a module (it imports its neighbours, bench/quality_*.py, as the
+    """experiments/quality.py as a module (it imports its neighbours, bench/quality_*.py, as the
     script does; each is then in sys.modules under its own name)."""
-    return bench_modules("quality")["quality"]
+    return script_modules("experiments", "quality")["quality"]

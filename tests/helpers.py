@@ -194,9 +194,9 @@ def tiny_hybrid(
     std: float = 0.15,
     seed: int = 0,
 ) -> nn.Module:
-    """A tiny random hybrid target (frozen, eval mode, fp32, sdpa): `assets.tiny_hybrid_model`
+    """A tiny random hybrid target (frozen, eval mode, fp32, sdpa): `tiny_models.tiny_hybrid_model`
     (Qwen3.5, its MoE variant or Qwen3-Next) with a small vocabulary and no special tokens."""
-    from flashdraft.assets import tiny_hybrid_model
+    from tiny_models import tiny_hybrid_model
 
     model = tiny_hybrid_model(
         kind,
@@ -259,15 +259,15 @@ def emulated_flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, used_k, s
     return out
 
 
-def bench_modules(*names: str) -> dict[str, ModuleType]:
-    """bench/NAME.py as modules, imported as their scripts run (they import their neighbours
-    from bench/, which is on sys.path only while they load)."""
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
-    sys.path.insert(0, bench)
+def script_modules(folder: str, *names: str) -> dict[str, ModuleType]:
+    """FOLDER/NAME.py (FOLDER: `bench` or `experiments`) as modules, imported as their scripts
+    run: they import their neighbours, so FOLDER is on sys.path while they load."""
+    path = str(Path(__file__).resolve().parents[1] / folder)
+    sys.path.insert(0, path)
     try:
         return {name: importlib.import_module(name) for name in names}
     finally:
-        sys.path.remove(bench)
+        sys.path.remove(path)
 
 
 def record_run_ahead(monkeypatch: object) -> list[int]:
@@ -323,7 +323,7 @@ def quality_eval_report(tau: float, acc: list[float], **extra: object) -> dict:
 
 
 def synthetic_quality_run(out: Path) -> None:
-    """A finished `bench/quality.py` run in OUT/runs/r: metrics of 10 logged intervals (evals
+    """A finished `experiments/quality.py` run in OUT/runs/r: metrics of 10 logged intervals (evals
     at steps 50 and 100), two held-out reports, the split and the stage markers."""
     run = out / "runs" / "r"
     (run / "eval").mkdir(parents=True)

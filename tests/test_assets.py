@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+import tiny_models
+
 from flashdraft import assets
 
 
@@ -51,5 +54,22 @@ def test_tiny_qwen3_5_is_a_hybrid_qwen3_5_with_the_qwen3_tokenizer(tiny_qwen3_5_
     assert config["vocab_size"] == 151936 > len(tokenizer)
     # Built once: a second call finds it and writes nothing.
     stamp = (tiny_qwen3_5_dir / "model.safetensors").stat().st_mtime_ns
-    assert assets.tiny_qwen3_5(tiny_qwen3_5_dir) == tiny_qwen3_5_dir
+    assert tiny_models.tiny_qwen3_5(tiny_qwen3_5_dir) == tiny_qwen3_5_dir
     assert (tiny_qwen3_5_dir / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_the_shipped_drafter_is_package_data_that_loads_as_the_engines_read_it(
+    tmp_path, monkeypatch
+) -> None:
+    """The reference drafter ships inside the package (found the same way from a checkout
+    and from an installed wheel): a dflash export the engines read as trained, under 25 MB.
+    A missing file is one clear error naming the folder, not a crash later in the demo."""
+    from flashdraft.export import load_dflash, verify_export
+
+    folder = assets.shipped_drafter()
+    assert folder.parent.name == "artifacts" and folder.parent.parent.name == "flashdraft"
+    verify_export(load_dflash(str(folder)), str(folder))
+    assert (folder / "model.safetensors").stat().st_size <= 25_000_000
+    monkeypatch.setattr(assets, "SHIPPED_DRAFTER", "nothing-here")
+    with pytest.raises(FileNotFoundError, match=r"nothing-here lacks config\.json"):
+        assets.shipped_drafter()

@@ -1,5 +1,5 @@
-"""The training benchmark scripts' CPU smoke modes: the README shows `bench/trainer.py` with
-`--rows-per-forward`, and the GPU sessions (bench/checks_session.sh) run its `--first-step`,
+"""The benchmark scripts' CPU smoke modes: the guides show `bench/trainer.py` with
+`--rows-per-forward`, and the GPU sessions (dev/gpu/checks_session.sh) run its `--first-step`,
 `--set` and `--profile` options and `bench/prefill_profile.py`; a broken option should fail
 here, not on the device machine."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bench_modules, rows_by_part
+from helpers import rows_by_part, script_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +49,8 @@ def test_the_trainer_bench_times_the_first_steps() -> None:
 
 def test_the_trainer_bench_runs_the_target_ahead() -> None:
     """`--set target.forward_rows=4`: the target's part is one forward of 4 rows, the
-    drafter's one row, a full-step call the group of 4 steps (the next session's GPU
-    measurement of the SmolLM2 step runs this way)."""
+    drafter's one row, a full-step call the group of 4 steps (as the reference recipe's
+    step runs)."""
     stdout = run(
         "bench/trainer.py", "--smoke", "--rows", "256", "--skip-overlap-off",
         "--set", "target.forward_rows=4",
@@ -64,38 +64,6 @@ def test_the_trainer_bench_runs_the_target_ahead() -> None:
     )
     assert result["first_step_s"] >= 0 and result["second_step_s"] > 0
     assert result["target_forward_rows"] == 4
-
-
-def test_the_ahead_stage_narrows_to_a_runs_own_shapes(tmp_path: Path) -> None:
-    """`fast_session.sh ahead` (s24): by default every shape (A = 512 and 2,048, R = 1, 4, 10,
-    the 8,192-row LM-head chunks); AHEAD_A / AHEAD_R / AHEAD_CHUNKS=0 leave one run's shapes
-    only. A stand-in python3 records each bench/trainer.py command line."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls.txt"
-    stub = bin_dir / "python3"
-    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
-    stub.chmod(0o755)
-    script = str(ROOT / "bench" / "fast_session.sh")
-
-    def commands(**extra: str) -> list[str]:
-        calls.unlink(missing_ok=True)
-        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), **extra}
-        done = subprocess.run(
-            ["bash", script, "ahead"], cwd=tmp_path, env=env, capture_output=True, text=True,
-            timeout=60, check=True,
-        )  # fmt: skip
-        assert "== ahead done in" in done.stdout
-        return calls.read_text().splitlines()
-
-    every = commands()
-    assert len(every) == 7 and all(c.startswith("bench/trainer.py") for c in every)
-    assert sum("--chunk-rows 8192" in c for c in every) == 1
-    narrow = commands(AHEAD_A="2048", AHEAD_R="1 10", AHEAD_CHUNKS="0")
-    assert len(narrow) == 2
-    for line, rows in zip(narrow, (1, 10), strict=True):
-        assert "--anchors 2048" in line and f"target.forward_rows={rows}" in line
-        assert "drafter.intermediate_size=704" in line and "--chunk-rows" not in line
 
 
 def test_the_drafter_bench_passes_the_residual_dtype_to_the_loss(monkeypatch) -> None:
@@ -122,19 +90,20 @@ def test_the_drafter_bench_passes_the_residual_dtype_to_the_loss(monkeypatch) ->
 
 
 def _readme_peers_lines() -> list[list[str]]:
-    """The arguments of every `python bench/peers.py` line of the README."""
-    readme = (ROOT / "README.md").read_text()
+    """The arguments of every `python bench/peers.py` line of README.md and docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     return [
         shlex.split(line, comments=True)[2:]
-        for line in readme.splitlines()
+        for page in pages
+        for line in page.read_text().splitlines()
         if line.startswith("python bench/peers.py")
     ]
 
 
 def test_the_readmes_peers_lines_parse(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each `python bench/peers.py` line of the README is a valid command line (the slow test
+    """Each `python bench/peers.py` line of the documents is a valid command line (the slow test
     below runs them all in smoke sizes)."""
-    peers = bench_modules("peers")["peers"]
+    peers = script_modules("bench", "peers")["peers"]
     lines = _readme_peers_lines()
     assert len(lines) >= 4
     for argv in lines:
@@ -147,7 +116,7 @@ def _peers_run(monkeypatch: pytest.MonkeyPatch, statuses: dict, *flags: str) -> 
     """bench/peers.py's `run_all` over two sizes (A = 8, then 4) of flashdraft and
     speculators, each worker stood in by `statuses[(framework, impl, A)]` ("ok" where
     absent): the workers asked for, in order, and the rows."""
-    peers = bench_modules("peers")["peers"]
+    peers = script_modules("bench", "peers")["peers"]
     calls = []
 
     def fake_spawn(case, g, timeout):
@@ -220,7 +189,7 @@ def test_a_peers_worker_stopped_by_its_timeout_says_how_far_it_got(
     mixed with other output is skipped. `timed` marks the set-up, the first step and the
     end of the warmup, in seconds since the parent spawned the worker (its `--timeout`'s
     clock, passed in the environment)."""
-    modules = bench_modules("peers", "peers_inputs")
+    modules = script_modules("bench", "peers", "peers_inputs")
     peers, inputs = modules["peers"], modules["peers_inputs"]
     tag = inputs.PHASE_TAG
     worker = (
@@ -258,7 +227,7 @@ def test_a_peers_worker_stopped_by_its_timeout_says_how_far_it_got(
 
 @pytest.mark.slow
 def test_the_peers_bench_runs_its_readme_lines_in_smoke_sizes(tmp_path: Path) -> None:
-    """Every `python bench/peers.py` line of the README, in smoke sizes (`--smoke` added, a
+    """Every `python bench/peers.py` line of the documents, in smoke sizes (`--smoke` added, a
     `--sizes` value replaced by a smoke size, `--out` files written here), then its
     `--merge` line on the two files. flashdraft's step always runs; speculators' and
     SpecForge's run where installed (their losses agree with flashdraft's on the parity
@@ -308,25 +277,3 @@ def test_the_peers_bench_runs_its_readme_lines_in_smoke_sizes(tmp_path: Path) ->
 def test_the_prefill_profile_runs_on_cpu() -> None:
     stdout = run("bench/prefill_profile.py", "--smoke")
     assert "prefill of 3 x 20 tokens" in stdout and "aten::" in stdout
-
-
-def test_zlab_parity_compares_the_steps_that_draft_a_whole_block_apart() -> None:
-    """bench/zlab_parity.py: z-lab's loop cuts its last blocks to what is left of
-    max_new_tokens; the steps before that are compared on their own, the tail apart (s36:
-    the shipped drafter's code prompts differed only there)."""
-    bench = bench_modules("zlab_parity")["zlab_parity"]
-    # B = 4, 12 new tokens (the prefill's token and 11 from the steps): after steps of 3, 2,
-    # 4 the fourth step has 12 - 10 + 1 = 3 slots left, fewer than B: three whole-block steps
-    assert bench.whole_block_steps([3, 2, 4, 1, 1], 12, 4) == 3
-    assert bench.whole_block_steps([2, 1], 4, 4) == 1  # 4 slots left at the first step only
-    assert bench.whole_block_steps([], 12, 4) == 0
-    ours = [[3, 2, 4, 1, 1], [4, 4, 2, 1]]  # whole blocks: 3 steps each
-    same_head = [[3, 2, 4, 2], [4, 4, 2, 1]]
-    agreement = bench.whole_block_agreement(ours, same_head, 12, 4)
-    assert agreement == {"steps": 3 + 3, "identical": True, "tail_steps": 2 + 1,
-                         "tail_identical": False}  # fmt: skip
-    assert bench.whole_block_agreement(ours, ours, 12, 4)["tail_identical"]
-    early = bench.whole_block_agreement(ours, [[3, 3, 3, 1, 1], [4, 4, 2, 1]], 12, 4)
-    assert not early["identical"]
-    with pytest.raises(ValueError, match="zip"):  # both lists come from the same prompts
-        bench.whole_block_agreement(ours[:1], same_head, 12, 4)

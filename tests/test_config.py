@@ -146,7 +146,7 @@ def test_the_command_line_is_derived_from_the_config() -> None:
 
 def test_a_percent_sign_in_a_help_text_reaches_the_help_verbatim() -> None:
     """argparse formats help strings with %: a field's plain-text "20%" crashed `--help` of
-    bench/quality.py (2026-12-02)."""
+    experiments/quality.py (2026-12-02)."""
 
     @dataclass
     class Share:

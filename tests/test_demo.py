@@ -11,7 +11,7 @@ from flashdraft import demo as demo_module
 from flashdraft.data.sources import SourcesConfig, is_held_out
 from flashdraft.demo import prompt_sets
 
-RECORDED_SPLIT = "benchmarks/raw/quality_20261201/split.json"
+RECORDED_SPLIT = "benchmarks/raw/quality_20261206_s45/calls/prompts/split.json"
 
 
 def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys, monkeypatch) -> None:
@@ -94,7 +94,7 @@ def test_demo_pipeline_end_to_end(tmp_path, smollm2_dir, capsys, monkeypatch) ->
 
 def test_the_demo_eval_prompts_are_held_out_in_the_shipped_drafters_recorded_split() -> None:
     """Against the split the shipped reference drafter was actually trained under (recorded
-    by its run, benchmarks/raw/quality_20261201/split.json), not only against the rule: every
+    by its run, RECORDED_SPLIT), not only against the rule: every
     demo eval prompt is from a held-out source, no demo training prompt is."""
     recorded = json.loads((Path(__file__).resolve().parents[1] / RECORDED_SPLIT).read_text())[
         "held_out_sources"

@@ -1,4 +1,4 @@
-"""Fault injection (issue 15): nothing lost, nothing silently wrong.
+"""Fault injection: nothing lost, nothing silently wrong.
 
 Each test does to a command what happens to real runs, and asserts either the one-line
 error a user can act on or the exact recovery:

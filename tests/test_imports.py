@@ -1,4 +1,4 @@
-"""The house rules of imports (STYLE, issue 14): one direction, no cycles, no hidden edges.
+"""The house rules of imports (docs/architecture.md): one direction, no cycles, no hidden edges.
 
 Layers, lowest first; a module may import its own layer and those below, never above:
 
@@ -13,6 +13,9 @@ Layers, lowest first; a module may import its own layer and those below, never a
 
 Imports inside functions count as much as top-level ones (a deferred import must not dodge
 a cycle); they are allowed only for optional or heavy third-party packages.
+
+Around the package: bench/ (its benchmarks) and experiments/ (research on top of it) import
+flashdraft, never the reverse, and bench/ never imports experiments/.
 """
 
 from __future__ import annotations
@@ -132,3 +135,46 @@ def test_there_are_no_import_cycles() -> None:
         if name not in state:
             walk(name, [name])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# ---- the scripts around the package ----------------------------------------------------------
+
+ROOT = PACKAGE.parent
+
+
+def _script_names(folder: str) -> set[str]:
+    return {p.stem for p in (ROOT / folder).glob("*.py")}
+
+
+def _all_imported_names(path: Path) -> set[str]:
+    """Every top-level module name `path` imports (absolute imports, at any depth)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+    return names
+
+
+def test_the_package_never_imports_the_scripts_around_it() -> None:
+    """bench/ and experiments/ import flashdraft, never the reverse: the product must not
+    depend on a benchmark or on research code."""
+    scripts = _script_names("bench") | _script_names("experiments") | {"bench", "experiments"}
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {sorted(_all_imported_names(path) & scripts)}"
+        for path in all_modules().values()
+        if _all_imported_names(path) & scripts
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_benchmarks_never_import_the_experiments() -> None:
+    """bench/ holds the product's own benchmarks: they run without experiments/."""
+    research = _script_names("experiments") - _script_names("bench")
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {sorted(_all_imported_names(path) & research)}"
+        for path in sorted((ROOT / "bench").glob("*.py"))
+        if _all_imported_names(path) & research
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -1,7 +1,7 @@
 """Audit a prepared dataset: statistics, and the checks that refuse degenerate data.
 
 A drafter is only as good as its trained tokens, and broken data trains without error.
-The checks (SPEC trap 8), each with a threshold option (`Thresholds`):
+The checks (docs/design.md §8 trap 8), each with a threshold option (`Thresholds`):
 
 * all-ones loss masks: the chat template marked no assistant turn, so prompts are trained;
 * empty responses: samples whose trained text is nothing but end-of-turn tokens,

@@ -1,4 +1,4 @@
-"""The prepared dataset on disk (SPEC section 7) and the reader the trainer uses.
+"""The prepared dataset on disk (docs/design.md §7) and the reader the trainer uses.
 
 Layout: exactly what `datasets.Dataset.save_to_disk` writes, produced with pyarrow alone so
 that the training machine needs no `datasets` package:
@@ -63,7 +63,7 @@ SCHEMA = pa.schema(
 
 
 def record_batch(samples: Sequence[tuple[np.ndarray, np.ndarray, str]]) -> pa.RecordBatch:
-    """(input_ids, loss_mask, source) per sample -> one record batch of the SPEC columns."""
+    """(input_ids, loss_mask, source) per sample -> one record batch of the dataset's columns (docs/design.md §7)."""
     lengths = np.array([len(ids) for ids, _, _ in samples], dtype=np.int32)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
     ids = np.concatenate([s[0] for s in samples]) if samples else np.zeros(0, np.int32)

@@ -93,9 +93,9 @@ class GenerateConfig:
     )
     backend: Literal["auto", "hf", "static", "vllm"] = option(
         "auto",
-        help="auto: vllm when it is installed and the device is cuda, else static on cuda "
-        "(static KV cache, continuous batching, CUDA graphs) for the targets it supports, "
-        "else hf",
+        help="auto: static on cuda (static KV cache, continuous batching, CUDA graphs) for the "
+        "targets it supports, else hf; vllm (in-process vLLM, not covered by the tests) only "
+        "when asked for",
     )
     batch_size: int = option(
         32, ge=1, help="prompts per batch at most (static backend: prompts decoded at once)"
@@ -118,8 +118,8 @@ class GenerateConfig:
     static_compile_prefill: bool = option(
         False,
         help="static backend on CUDA, with --static-compile: compile the prefill batches' "
-        "dense parts too (dynamic shapes; timed once at 24K vs 42K tok/s at batch 256, with "
-        "~2 s of its compilation inside the timed part: not yet timed fairly)",
+        "dense parts too (dynamic shapes; on an H200 within the noise of the eager prefill, "
+        "so off by default: docs/speed.md)",
     )
     static_min_admit: int = option(
         1,

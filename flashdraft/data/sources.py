@@ -1,6 +1,6 @@
 """Prompts at scale from what is on the machine, split into train and held-out by source.
 
-The reference recipe (`bench/quality.py`) regenerates answers to three kinds of prompts:
+The reference recipe (`experiments/quality.py`) regenerates answers to three kinds of prompts:
 
 * `chat`: every user turn of every chitchat conversation, with the conversation before it
   as context (cut from the front, at turn boundaries, to `max_context_chars`);

@@ -1,4 +1,4 @@
-"""Chat-template rendering and assistant loss masks by prefix rendering (SPEC section 7).
+"""Chat-template rendering and assistant loss masks by prefix rendering (docs/design.md §7).
 
 What is trained. For every trained assistant turn, exactly the text the template emits after
 that turn's generation prompt, up to and including the end-of-turn token: the think block
@@ -387,7 +387,7 @@ class ChatTemplate:
     # -- run-level check -------------------------------------------------------------------
 
     def check(self) -> None:
-        """Refuse a template whose assistant turns cannot be told apart (SPEC trap 8).
+        """Refuse a template whose assistant turns cannot be told apart (docs/design.md §8 trap 8).
 
         Raises ValueError with the reason; run once before any data is processed.
         """

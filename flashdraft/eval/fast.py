@@ -1,4 +1,4 @@
-"""The SPEC 5 decode loop at device speed: static caches for the target and for the drafter's
+"""The docs/design.md §5 decode loop at device speed: static caches for the target and for the drafter's
 context, and the whole step as one static-shape function, replayed as one CUDA graph.
 
 Same contract as `flashdraft.eval.speculative.decode` (it returns the same `DecodeResult`, and
@@ -70,7 +70,7 @@ def cache_slots(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     power of two, at least MIN_SLOTS. The compiled step has static shapes, so every new cache
     size compiles the target forward again (twice: the verify of B tokens and the 1-token
     baseline), and dynamo refuses a ninth entry with fullgraph=True: one process that
-    evaluates many prompt sets (`bench/quality.py`: seven in one call) failed on its fifth
+    evaluates many prompt sets (`experiments/quality.py`: seven in one call) failed on its fifth
     set when the size followed each set's longest prompt. Buckets keep the entries few, at
     the cost of the unused slots: memory, and a step's attention reads them (SmolLM2-135M at
     2,048 slots instead of 1,216: ~19 MB more per step, a few microseconds on an H200)."""
@@ -127,7 +127,7 @@ class StaticDecoder:
         self._forward: Callable[..., tuple[Tensor, Tensor | None]] = self.lm
         # The drafter's two parts of a step (its block; its context's K/V), compiled like the
         # verify: eager, a 576-wide draft layer is dozens of small kernels, and even replayed
-        # in a graph it cost ~0.15 ms, ~2.5 compiled target layers of SmolLM2-135M (s45).
+        # in a graph it cost ~0.15 ms, ~2.5 compiled target layers of SmolLM2-135M.
         # The prefill's extend stays eager (its length is the prompt's).
         self._draft_step = self._draft
         self._extend_step = self._extend
@@ -174,7 +174,7 @@ class StaticDecoder:
         ]
         self.ctx_values = [torch.zeros_like(k) for k in self.ctx_keys]
         self._mask_ids = torch.full((self.block - 1,), config.mask_token_id, device=self.device)
-        # The training rule itself (SPEC 4) for one anchor at `start` whose context is the
+        # The training rule itself (docs/design.md §4) for one anchor at `start` whose context is the
         # whole cache: slots >= start are masked as "at or after the anchor".
         layout = BlockLayout(
             anchors=self.start.view(1, 1),
@@ -345,7 +345,7 @@ class StaticDecoder:
 
     @torch.no_grad()
     def decode(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> DecodeResult:
-        """Up to `max_new_tokens` tokens after `prompt_ids` (SPEC 5), like `speculative.decode`;
+        """Up to `max_new_tokens` tokens after `prompt_ids` (docs/design.md §5), like `speculative.decode`;
         `seed` keys the sampling noise at T > 0."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash drafter against the live target (SPEC section 5).
+"""Speculative decoding with a DFlash drafter against the live target (docs/design.md §5).
 
 Model-level code only: no files, no CLI, no metrics aggregation (`flashdraft.eval.evaluate` and
 `flashdraft.eval.report` do those). One prompt at a time, batch 1, as in the DFlash paper's acceptance measurements.
@@ -215,7 +215,7 @@ def decode(
     max_new_tokens: int,
     sampler: Sampler | None = None,
 ) -> DecodeResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids` (SPEC section 5)."""
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` (docs/design.md §5)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompt_ids:

@@ -1,4 +1,4 @@
-"""Export: the serving formats of a trained drafter (SPEC section 6), written, loaded, checked.
+"""Export: the serving formats of a trained drafter (docs/design.md §6), written, loaded, checked.
 
     flashdraft export CHECKPOINT --output DIR [--format dflash|speculators] [--verifier PATH]
 

@@ -1,4 +1,4 @@
-"""The `dflash` serving format (SPEC section 6): what vLLM, SGLang and z-lab's `dflash` load
+"""The `dflash` serving format (docs/design.md §6): what vLLM, SGLang and z-lab's `dflash` load
 unchanged.
 
 `config.json` is a Qwen3 config with `architectures: ["DFlashDraftModel"]`, `block_size`,

@@ -1,4 +1,4 @@
-"""An export's config as the engines read it (SPEC section 6, trap 9).
+"""An export's config as the engines read it (docs/design.md §6, trap 9).
 
 `engine_view` re-reads config.json with transformers' `AutoConfig`, as z-lab's dflash, vLLM
 and SGLang do (a speculators config through vLLM's adapter first), and takes the fields their

@@ -1,4 +1,4 @@
-"""vLLM's `speculators` layout of a DFlash drafter (SPEC section 6; `to_speculators_config`
+"""vLLM's `speculators` layout of a DFlash drafter (docs/design.md §6; `to_speculators_config`
 gives every field): the dflash weights file, and a config.json that wraps the draft layers'
 Qwen3 config and names the verifier. Reads other trainers' speculators configs too
 (`from_speculators_config`), and holds the translation vLLM's adapter applies to such a

@@ -1,4 +1,4 @@
-"""DFlash block attention (SPEC section 4): one `mask_mod`, two backends, and a decode path.
+"""DFlash block attention (docs/design.md §4): one `mask_mod`, two backends, and a decode path.
 
 Shape legend:
   R  rows in a batch (packed sequences)      T  context tokens per row (the packed row)
@@ -137,7 +137,7 @@ def document_starts(doc_ids: Tensor) -> Tensor:
 
 
 def dflash_mask_mod(layout: BlockLayout, sliding_window: int | None = None) -> MaskMod:
-    """The SPEC section 4 visibility rule as a flex_attention `mask_mod`.
+    """The docs/design.md §4 visibility rule as a flex_attention `mask_mod`.
 
     Block j's context is the range [start of its anchor's document, anchor): the rule reads
     per-query values only (anchor, validity, the document start at the anchor) and no key's

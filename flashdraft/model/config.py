@@ -1,4 +1,4 @@
-"""The drafter's geometry (SPEC section 2), the default tap rule (SPEC 3) and the choice of
+"""The drafter's geometry (docs/design.md §2), the default tap rule (docs/design.md §3) and the choice of
 the mask token: plain data with validation; no torch modules are built in this file."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """SPEC section 3: z-lab ids (id i = output of decoder layer i) spread over the target.
+    """docs/design.md §3: z-lab ids (id i = output of decoder layer i) spread over the target.
 
     One id -> the middle layer; otherwise evenly spaced over [1, L - 3] with Python's
     round (the rounding z-lab, vLLM and SGLang use: L=36, N=5 -> [1, 9, 17, 25, 33]).
@@ -101,7 +101,7 @@ def embedding_scale_of(text_config: Any) -> float:
 
 @dataclass(kw_only=True, slots=True)
 class DrafterConfig:
-    """Geometry of a DFlash drafter (SPEC section 2). H (hidden) always equals the target's.
+    """Geometry of a DFlash drafter (docs/design.md §2). H (hidden) always equals the target's.
 
     `input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` record how the
     target's embedding and head scale (block embeddings are raw table rows times the scale;
@@ -264,7 +264,7 @@ def choose_mask_token_id(hf_config: Any, tokenizer: Any) -> tuple[int, str]:
 
     Returns (id, reason). Order: the tokenizer's own mask token; the first id past the
     tokenizer when the table is padded (Qwen3: 151669); otherwise a special token that chat
-    formatting never emits. Never an id outside the table (SPEC trap 6).
+    formatting never emits. Never an id outside the table (docs/design.md §8 trap 6).
     """
     text = text_config(hf_config)
     vocab = int(text.vocab_size)

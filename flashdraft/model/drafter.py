@@ -1,4 +1,4 @@
-"""The DFlash draft model (SPEC section 2). Single-device model code: no training imports.
+"""The DFlash draft model (docs/design.md §2). Single-device model code: no training imports.
 
 Shape legend:
   R rows   T context tokens   Q = A * B block (query) tokens   S = T + Q keys
@@ -270,7 +270,7 @@ class DFlashDrafter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Standard init: normal(0, initializer_range) for linears, ones for norms (SPEC 2)."""
+        """Standard init: normal(0, initializer_range) for linears, ones for norms (docs/design.md §2)."""
         generator = None
         if seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(seed)

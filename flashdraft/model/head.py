@@ -1,4 +1,4 @@
-"""The target's frozen input embedding and output head, shared with the drafter (SPEC 2).
+"""The target's frozen input embedding and output head, shared with the drafter (docs/design.md §2).
 
 The drafter owns neither: block tokens are embedded with the target's table and drafter
 hidden states go through the target's LM head (with the target's logit scaling / softcap, if
@@ -35,7 +35,7 @@ def label_chunk(
     top-k ids [n, k] with their softmax over those k in fp32, else None, None). A pure
     function, so that CUDA runs it compiled (`_LABEL_CHUNK`): one read of z for the argmax
     (eager argmax over 49,152 bf16 logits ran at ~0.9 TB/s, 3.6 ms of an 8-row SmolLM2 step
-    on an H200, s17 profile)."""
+    on an H200, profiled)."""
     logits = scaled_logits(z, scale, softcap)
     argmax = logits.argmax(dim=-1)
     if not top_k:
@@ -122,7 +122,7 @@ class TargetHead:
     def argmax_at(self, last_hidden: Tensor, positions: Tensor, chunk_rows: int) -> Tensor:
         """argmax of the logits at `positions` [R, ...] of the final-normed last_hidden [R, T, H].
 
-        In chunks of rows, so the full [R, T, V] logits never exist (hard labels, SPEC 3).
+        In chunks of rows, so the full [R, T, V] logits never exist (hard labels, docs/design.md §3).
         """
         return self.labels_at(last_hidden, positions, chunk_rows)[0]
 
@@ -139,7 +139,7 @@ class TargetHead:
         logits at `positions` [R, ...] of the final-normed last_hidden [R, T, H]; the top-k
         pair only when `top_k` > 0, else (argmax, None, None).
 
-        In chunks of rows, so the full [R, T, V] logits never exist (SPEC 3). The
+        In chunks of rows, so the full [R, T, V] logits never exist (docs/design.md §3). The
         probabilities are the softmax over the k largest logits, i.e. the target's
         distribution restricted to its top k and renormalised (soft labels: the full
         distribution is V floats per position, 0.6 MB in fp32 for Qwen3's 151,936 tokens,

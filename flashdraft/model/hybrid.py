@@ -1,4 +1,4 @@
-"""Hybrid targets: Gated DeltaNet linear-attention layers, packed exactly (SPEC 3, trap 11).
+"""Hybrid targets: Gated DeltaNet linear-attention layers, packed exactly (docs/design.md §3, trap 11).
 
 Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`) and Qwen3-Next (`qwen3_next`) interleave linear
 attention (Gated DeltaNet: a 4-tap causal convolution, then the gated delta rule, a recurrent

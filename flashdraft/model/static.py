@@ -325,8 +325,7 @@ class StaticLM:
         tokens as one row: the first batch compiles for its token count, the second once
         more with it symbolic, and that graph serves the rest. Eager, a 22 x 700
         SmolLM2-135M prefill spent ~15 of its 25 ms of GPU time in unfused elementwise
-        kernels (norms, RoPE, SiLU;
-        `benchmarks/raw/small_targets_h200_20261201b/call5_prefill_profile.txt`)."""
+        kernels (norms, RoPE, SiLU; `bench/prefill_profile.py` shows where it goes)."""
         self._decode_parts = (
             torch.compile(static_layers.project_into_cache, backend=backend, dynamic=False),
             torch.compile(static_layers.finish, backend=backend, dynamic=False),
@@ -438,7 +437,9 @@ class StaticLM:
             if flat and out._base is not None:  # a view (one-token prompts): its base's
                 out = out.clone()  # sizes would enter the compiled part's guards
             x = finish(layer, self._fused[i], x, out)
-            if i in wanted:  # the z-lab convention: the output of decoder layer i (SPEC 3)
+            if (
+                i in wanted
+            ):  # the z-lab convention: the output of decoder layer i (docs/design.md §3)
                 taps[i] = x.view(r, n, -1) if flat else x
         if flat:
             x = x.view(r, n, -1)
@@ -466,7 +467,7 @@ class StaticLM:
         for j, i in enumerate(self.tap_ids):
             assert taps is not None
             tap = taps[..., j * hidden : (j + 1) * hidden]
-            # HF reports the last layer's output after the final norm (SPEC 3).
+            # HF reports the last layer's output after the final norm (docs/design.md §3).
             pairs.append(
                 (f"tap {i}", self.norm(tap) if i == last else tap, ref.hidden_states[i + 1])
             )

@@ -3,7 +3,7 @@
 Shape legend: R rows, T tokens per packed row, K tapped layers, H hidden, V vocabulary,
 N label positions.
 
-Taps follow the z-lab convention (SPEC section 3): id i is the *output of decoder layer i*,
+Taps follow the z-lab convention (docs/design.md §3): id i is the *output of decoder layer i*,
 i.e. `hidden_states[i + 1]` of an HF forward with `output_hidden_states=True`. They are
 captured with forward hooks on the decoder layers, never with `output_hidden_states` (which
 keeps every layer alive), and never from `hidden_states[-1]`, which HF replaces by the
@@ -111,8 +111,8 @@ def default_attention(path: str, device_type: str) -> str:
     kernel and the model class runs transformers' attention interface with nothing the
     kernel lacks (`varlen.refusal`); else flex_attention (the document mask as a compiled
     BlockMask) when the class supports it; else sdpa with a dense mask. On the SmolLM2-135M
-    shape varlen made the target forward 1.55x flex's (benchmarks/small_targets_h200_20261201.md,
-    thirteenth session). transformers refuses flex for the hybrid Qwen3.5 / Qwen3-Next classes
+    shape varlen made the target forward 1.55x flex's on an H200 (docs/speed.md).
+    transformers refuses flex for the hybrid Qwen3.5 / Qwen3-Next classes
     (5.17-5.24), so `flex_attention` there would fail at load time."""
     if device_type != "cuda":
         return "sdpa"
@@ -312,7 +312,7 @@ class Target:
             self.verify_packing()
 
     def verify_packing(self, lengths: tuple[int, ...] = (21, 14), padding: int = 5) -> None:
-        """Start-up check for hybrid targets (SPEC 3): a packed row of documents (+ padding)
+        """Start-up check for hybrid targets (docs/design.md §3): a packed row of documents (+ padding)
         gives the taps and next-token labels of each document run alone through the model's
         own forward (with the packed row's expert routing, for MoE targets): the first
         document within `PATH_TOLERANCE` (nothing precedes it: the kernels' rounding), each

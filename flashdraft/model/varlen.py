@@ -3,8 +3,7 @@ attn_implementation = "varlen"`).
 
 A packed row holds whole documents, each attending causally to itself only. flex_attention
 does that with a document BlockMask; on a small target its forward ran at ~50 TFLOP/s on an
-H200 (300-3,000-token documents, benchmarks/small_targets_h200_20261201.md: 38% of the
-step). The varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`) takes the documents
+H200 (300-3,000-token documents: 38% of the step). The varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`) takes the documents
 as one flat sequence of tokens with their boundaries (`cu_seqlens`) and needs no mask at all.
 
 It runs as a transformers attention implementation registered under `NAME`: the attention
@@ -97,7 +96,7 @@ class _Kernel:
     which serves G query heads per K/V head natively; 2.13's wrapper only refuses unequal head
     counts unless `enable_gqa` says they are meant, and the releases before it check nothing,
     so K/V go in with their own heads everywhere (repeating them for the kernel cost two copies
-    of the K/V per layer: ~5 ms of a 138 ms 8-row SmolLM2 step on an H200, s17 profile)."""
+    of the K/V per layer: ~5 ms of a 138 ms 8-row SmolLM2 step on an H200, profiled)."""
 
     fn: Any
     causal: dict[str, Any]
@@ -230,7 +229,7 @@ def refusal(config: Any) -> str | None:
 # A decode step of R rows at their own positions, on a cache [R, Hkv, L, D] per layer: with a
 # dense mask, attention reads every row up to the longest one's length (cuDNN's kernel: ~50 us
 # per SmolLM2-135M layer at 256 rows, ~60 MB of K/V that memory speed reads in ~15 us;
-# benchmarks/small_targets_h200_20261203_s16.md). As flash sequences with a used length each,
+# measured on an H200). As flash sequences with a used length each,
 # a row reads only its own slots, and one shape serves every length.
 
 

@@ -83,8 +83,8 @@ def slowest_kernels(limit: int = 12) -> list[tuple[str, float]]:
     """The Triton kernels that took longest to compile in this process, [(name, seconds)],
     slowest first, from dynamo's compilation metrics (each graph's top kernels by compile
     time). Empty where this torch does not record them. A cold first step spends most of
-    its time waiting on these compiles (2026-12-01: 172 of 221 s), so the names say what to
-    cut (issue 17: cold <= 60 s)."""
+    its time waiting on these compiles (once 172 of 221 s on an H200), so the names say what
+    to cut."""
     import json
 
     from torch._dynamo.utils import get_compilation_metrics

@@ -1,4 +1,4 @@
-"""Building a training example from one packed row (SPEC section 4), as pure functions.
+"""Building a training example from one packed row (docs/design.md §4), as pure functions.
 
 Shape legend: R rows, T tokens per packed row, A anchors per row, B block size.
 

@@ -25,7 +25,7 @@ from flashdraft.config import option
 
 SAFE = ("resume_safe",)
 RUN_CONFIG = "run_config.json"
-LEGACY_RUN_CONFIG = "config.json"  # before issue 15: also the name engines read
+LEGACY_RUN_CONFIG = "config.json"  # older runs' name for it: also the name engines read
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,7 +94,9 @@ class DrafterSection:
     num_layers: int = option(5, ge=1, help="draft layers")
     block_size: int = option(16, ge=2, help="B: the anchor plus B-1 drafted tokens")
     target_layer_ids: list[int] | None = option(
-        None, ge=0, help="tapped target layers (z-lab ids); None: the SPEC default rule"
+        None,
+        ge=0,
+        help="tapped target layers (z-lab ids); None: the default rule (docs/design.md §3)",
     )
     mask_token_id: int | None = option(
         None, ge=0, help="None: chosen from the tokenizer (choose_mask_token_id)"

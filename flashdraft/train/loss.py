@@ -20,7 +20,7 @@ Slot weights (`loss.weighting`):
   slot's gradient is its KL gradient scaled by W_k. loss = sum(W m KL) / sum(m).
 
 Either way the normaliser is a sum over the *global* batch (all micro-batches of all ranks,
-SPEC trap 10) that the caller passes in, known before any forward from the trained-slot
+docs/design.md §8 trap 10) that the caller passes in, known before any forward from the trained-slot
 masks: sum(w_k m), with w = [0, 1, ..., 1] for dpace (`loss_slot_weights`). So the gradient
 of each micro-batch is already its exact share and results do not depend on the split. For
 dpace this is why the normaliser is the trained-slot count and not sum(W m): W comes out of
@@ -104,7 +104,6 @@ def hard_label_chunk(
     # dCE/dlogits = softmax - onehot, times the row's coefficient, then back to z. In place
     # where that is free: compiled, the graph is the same; eagerly (the CPU) each [n, V]
     # temporary is a fresh allocation: this chunk ran in half the time, the same values
-    # (s41, benchmarks/raw/quality_20261206_s41/loss_chunk/)
     g = (logits - lse[:, None]).exp_()
     if torch.compiler.is_compiling():  # one fused kernel: the -1 rides along the exp
         columns = torch.arange(g.shape[1], device=g.device)
@@ -150,7 +149,7 @@ def hard_label_log_q(z: Tensor, labels: Tensor, scale: float, softcap: float | N
     before the chunk's loss (its coefficients need it). A pure function, compiled on CUDA
     (`_LOG_Q`) as the chunks are: eagerly a bf16 chunk's fp32 logits are written out whole
     and read again by each of logsumexp's kernels, 18.3 ms of the preset's step on an H100
-    against 1.97 ms compiled (s42, benchmarks/raw/quality_20261206_s42/log_q/)."""
+    against 1.97 ms compiled."""
     logits = _chunk_logits(z, scale, softcap)
     return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 

@@ -96,41 +96,22 @@ def smollm2_135m(
     eval_prompts: str = "quality-run/prompts/eval_mixed.jsonl",
     steps: int | None = None,
 ) -> RunConfig:
-    """The reference recipe (issue 18, the same run as configs/smollm2-135m.toml): a DFlash
-    drafter for SmolLM2-135M-Instruct on the on-policy data `bench/quality.py` builds (chat
-    turns, HumanEval, code mined from installed Python sources), one GPU in at most 20 minutes.
-    7 draft layers with MLPs of 352 (24.25 MB in bf16), tapping the target's layers [1, 8, 14,
-    20, 27] (pinned: the default rule for 30 target layers and 5 draft layers; the rule for 7
-    would tap seven and widen `fc` past 25 MB), B = 16, A = 2048 anchors per 8192-token row,
-    soft labels (KL to the target's top-32 distribution with half the target's argmax mixed in)
-    under D-PACE slot weights, Muon at 1e-3 (AdamW on the norms) with 1% warmup and a linear
-    decay to 0, 6 epochs; the target runs ahead over 10 rows a forward (the training is the
-    same, the one-row steps faster); real draft-and-verify evals on 16 held-out prompts (8 chat,
-    8 HumanEval) every 5000 steps give the tau-vs-tokens curve.
+    """The reference recipe (the same run as configs/smollm2-135m.toml; docs/reference-recipe.md):
+    a DFlash drafter for SmolLM2-135M-Instruct on the on-policy data `experiments/quality.py`
+    builds (chat turns, HumanEval, code mined from installed Python sources), one GPU in at
+    most 20 minutes. 7 draft layers with MLPs of 352 (24.25 MB in bf16), tapping the target's
+    layers [1, 8, 14, 20, 27] (pinned: the default rule for 30 target layers and 5 draft
+    layers; the rule for 7 would tap seven and widen `fc` past 25 MB), B = 16, A = 2048
+    anchors per 8192-token row, soft labels (KL to the target's top-32 distribution with half
+    the target's argmax mixed in) under D-PACE slot weights, Muon at 1e-3 (AdamW on the norms)
+    with 1% warmup and a linear decay to 0, 6 epochs; the target runs ahead over 10 rows a
+    forward (the training is the same, the one-row steps faster); real draft-and-verify evals
+    on 16 held-out prompts (8 chat, 8 HumanEval) every 5000 steps give the tau-vs-tokens curve.
 
-    This run (`l7x6`, without the in-training evals) is the shipped drafter: held-out tau 8.17
-    chat (3.11 before the target's repetition loops), 4.18 HumanEval, 5.18 mined Python, decode
-    speedup 5.84x / 2.92x / 3.71x (the drafter compiled in the loop, s46; eager 4.48x / 2.13x /
-    2.84x), 13,878 steps at 61.3 ms (907 s of train stages over two calls) on one H100
-    (quality_h100_20261206_s45); over the 5 x 704 run shipped before it (`dpm6`, and its second
-    seed `dpm61`) 1.03 chat, 1.05 HumanEval, 1.05 mined Python, 0.98 at T = 1, and over
-    speculators' recipe at the same steps (`peer6` + `peer61`, at 5 x 704) 1.05 chat, 1.18
-    HumanEval, 1.15 mined Python, 1.10 at T = 1. `dpm6` (5 x 704, quality_h100_20261205_s36):
-    8.07 / 3.98 / 4.96, over `i704a2k6` (the decay weights and pure soft labels) 1.02 / 1.12 /
-    1.11. Measured on one GPU, 40K prompts, same data and steps per comparison
-    (benchmarks/quality_*_2026120*.md): 6 epochs over 2 raised held-out tau by 27-32% on every
-    kind (AdamW); A = 2048 over 512 at 5 layers (2 epochs) +5.7% chat, +9.0% HumanEval, +11.0%
-    mined Python (quality_h200_20261204_s21); at 2 epochs Muon (lr 1e-3, linear) over AdamW
-    (6e-4, cosine) +22% / +21% / +24%; with Muon, 5 layers over 3 +27% / +19% / +25% and soft
-    labels over hard +12% / +1% / +2% (quality_h200_20261202_s11); MLP 704 at 6 epochs against
-    1,536 at A = 512 (`ref6`, 38.7 MB, quality_h200_20261202_s12) 1.030 / 1.018 / 1.036; at 2
-    epochs and two seeds a side, D-PACE weights with argmax_mix = 0.5 over the decay with pure
-    soft labels +4.2% / +4.0% / +5.2% and -1.9% at T = 1 (quality_h100_20261205_s34), and over
-    speculators' DFlash recipe at its own settings (A = 512, same data and steps) 1.04 / 1.11 /
-    1.11 and 1.08 at T = 1; argmax shares 0 / 0.25 / 0.75 over 0.5 give chat 0.962 / 0.986 /
-    1.005 and T = 1 1.02 / 1.02 / 0.97 (quality_h200_20261206_s38); at the same bytes 7 x 352
-    over 5 x 704 at 2 epochs 1.036 / 1.077 / 1.057 (quality_h100_20261206_s44). `steps` stops
-    early (default: every epoch)."""
+    Run without the in-training evals, it made the shipped drafter (`assets.shipped_drafter`).
+    Each choice above rests on a measured ablation on held-out prompts: the table is in
+    docs/reference-recipe.md, the numbers in benchmarks/RESULTS.md. `steps` stops early
+    (default: every epoch)."""
     return RunConfig(
         output=output,
         seed=0,

@@ -71,7 +71,7 @@ def time_spent(
     export: float,
 ) -> str:
     """The line `train` ends with: where this process's time went, set-up to export (a device
-    call's start-up and finish outside the steps, s42's open question). `looped`: seconds of
+    call's start-up and finish outside the steps). `looped`: seconds of
     the step loop, `first` of its first step, `checkpoints` of the `saved` checkpoints in it;
     the steps' share is what is left of the loop after the first step and the checkpoints
     (logging and in-training evals included). The interpreter's start and imports come before

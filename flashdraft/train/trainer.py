@@ -3,7 +3,7 @@
 Per optimizer step, on every drafter rank: G packed rows, each through the target (taps +
 argmax labels at the anchor blocks only; `features`) and then through the drafter forward and
 backward; after G rows: clip, AdamW (fp32 master weights, bf16 compute on CUDA), LR schedule.
-The loss normaliser of the step, the global trained-slot weight (SPEC trap 10), is known from
+The loss normaliser of the step, the global trained-slot weight (docs/design.md §8 trap 10), is known from
 the CPU rows before any forward and is all-reduced once per step. With `target.forward_rows`
 = R > 1 the target runs ahead over the rows of the next R / G steps at once (`StepRows`).
 
@@ -202,7 +202,7 @@ class Trainer:
             )
         if plan.resume_from:
             lines.append(f"  resuming from {plan.resume_from} at step {self.step}")
-        # where the time before the first step goes (a device session's start-up, s35)
+        # where the time before the first step goes (a device session's start-up)
         parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.setup_s.items())
         lines.append(f"  set up in {sum(self.setup_s.values()):.1f} s: {parts}")
         return "\n".join(lines)
@@ -430,7 +430,7 @@ class Trainer:
                     progress.set_description("train")
             if self.step == first_step + 1:
                 first_s = time.perf_counter() - fit_started
-            if compiling:  # what compilation cost, by side (issue 17: cold <= 60 s)
+            if compiling:  # what compilation cost, by side
                 compiling = False
                 target, drafter = (self.stopwatch.seconds(k, keep=True) for k in PHASES)
                 log.info(

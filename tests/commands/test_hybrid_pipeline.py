@@ -1,4 +1,4 @@
-"""The pipeline on a hybrid target (issue 20), through the CLI: a tiny random Qwen3.5 (Gated
+"""The pipeline on a hybrid target , through the CLI: a tiny random Qwen3.5 (Gated
 DeltaNet linear attention + gated full attention, partial RoPE) with the real Qwen3 tokenizer.
 train (packed rows, the target's labels, in-training eval) -> export -> eval, and generate."""
 

@@ -1,4 +1,4 @@
-"""The degenerate-data checks (SPEC trap 8), the report and the preview."""
+"""The degenerate-data checks (docs/design.md §8 trap 8), the report and the preview."""
 
 from __future__ import annotations
 

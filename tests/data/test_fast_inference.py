@@ -145,7 +145,7 @@ def test_prompts_must_fit_the_cache(model) -> None:
 
 def test_attention_reads_the_smallest_ladder_length_that_holds_every_position(model) -> None:
     decoder = SlotDecoder(model, 1, 1024, max_new_tokens=8)
-    assert decoder.ladder_steps == 4  # the default (benchmarks/small_targets_h200_20261203_s16.md)
+    assert decoder.ladder_steps == 4  # the default (docs/speed.md)
     decoder.ladder_steps = 1  # bench/generate.py --buckets pow2
     furthest = [0, 127, 128, 191, 192, 255, 256, 383, 384, 511, 512, 767, 768, 1000, 5000]
     lengths = [decoder._attention_length(f) for f in furthest]

@@ -365,7 +365,7 @@ def test_generate_is_the_whole_command(tmp_path: Path, smollm2_dir: Path) -> Non
 
 
 def test_one_backend_serves_several_generate_calls(tmp_path: Path, smollm2_dir: Path) -> None:
-    """A prompt file answered in two calls (as bench/quality.py's chunks are) with one
+    """A prompt file answered in two calls (as experiments/quality.py's chunks are) with one
     `open_backend`: the same records as one call that loads its own, the load counted only
     where it happened; a backend with other stop ids is refused."""
     questions = ["What is 2+2?", "Name a color.", "Say hello.", "What is the capital of France?"]

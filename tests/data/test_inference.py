@@ -14,6 +14,7 @@ from flashdraft.data.inference import (
     HFBackend,
     Sampling,
     StaticBackend,
+    auto_backend,
     default_device,
     finish,
     load_backend,
@@ -185,3 +186,20 @@ def test_device_and_dtype_defaults() -> None:
     assert resolve_dtype("auto", "cpu") == "float32"
     assert resolve_dtype("auto", "cuda:1") == "bfloat16"
     assert resolve_dtype("float16", "cpu") == "float16"
+
+
+def test_auto_never_picks_the_untested_vllm_backend(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm installed or not, `auto` runs static (on a GPU, for a supported target) or hf."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a),
+    )
+    backend = load_backend("auto", str(smollm2_dir), Sampling(), [SMOLLM2_EOS], SMOLLM2_EOS)
+    assert isinstance(backend, HFBackend)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    assert auto_backend(model, "cuda") == "static"
+    assert auto_backend(model, "cpu") == "hf"

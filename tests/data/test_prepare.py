@@ -465,7 +465,7 @@ def test_loops_are_untrained_past_their_first_tokens(tmp_path: Path, smollm2_dir
     kept = run(config([str(source)], smollm2_dir, tmp_path / "keep"))
     cut = run(config([str(source)], smollm2_dir, tmp_path / "cut", loops="untrain", loop_keep=8))
     assert "loop_untrained" not in kept.manifest["counts"]  # the default: as before
-    # the audit (SPEC trap 8's checks) reads the masks as written: the loop before, not after
+    # the audit (docs/design.md §8 trap 8's checks) reads the masks as written: the loop before, not after
     assert "loops            1 samples" in kept.report and "\nloops " not in cut.report
     counts, before = cut.manifest["counts"], kept.manifest["counts"]
     assert counts["tokens"] == before["tokens"] and counts["samples"] == before["samples"]

@@ -1,5 +1,5 @@
 """Loss masks by prefix rendering, checked token by token on the real Qwen3 and SmolLM2
-tokenizers (SPEC section 7, trap 8)."""
+tokenizers (docs/design.md §7, trap 8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The static decode loop (SPEC 5 on static caches) against the HF loop and HF `generate`:
+"""The static decode loop (docs/design.md §5 on static caches) against the HF loop and HF `generate`:
 greedy outputs, acceptance lengths, the drafter's proposals step by step, rewinds after
 rejections, eos, sampling in distribution; and `bench/eval.py --speed --smoke`."""
 

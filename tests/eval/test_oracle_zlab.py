@@ -1,5 +1,5 @@
 """z-lab's reference implementation (`dflash` 0.1.0, installed by `make test`) as the oracle for
-what flashdraft trains, exports and evaluates (issue 16).
+what flashdraft trains, exports and evaluates.
 
 On the real SmolLM2-135M target in fp32, for a drafter with only full-attention layers and one
 that mixes full and sliding layers with a window smaller than the block (W = 5, B = 8; random,
@@ -8,7 +8,7 @@ non-trivial weights), z-lab's `DFlashDraftModel` loaded from our dflash export m
     pass under the flex/SDPA mask), and
   * through its own `dflash_generate`, the tokens, acceptance lengths and per-step drafts of
     `flashdraft.eval.evaluate.evaluate_drafter` (the HF decode loop).
-The sliding case fails with the mask flashdraft had before issue 16 (SPEC trap 5).
+The sliding case fails with the older per-block window mask (docs/design.md §8 trap 5).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The draft-and-verify loop (SPEC section 5) with throwaway models whose acceptance we rig.
+"""The draft-and-verify loop (docs/design.md §5) with throwaway models whose acceptance we rig.
 
 The oracle drafter knows the target's greedy continuation and drafts a chosen number of
 correct tokens per step, so the expected acceptance of every step is known in advance:

@@ -22,7 +22,7 @@ from flashdraft.export.speculators import to_speculators_config
 from flashdraft.model.config import TARGET_ONLY_ROPE_KEYS, DrafterConfig
 from flashdraft.model.drafter import DraftCache
 
-# Fields an engine reads from a DFlash config.json (SPEC section 6, trap 9).
+# Fields an engine reads from a DFlash config.json (docs/design.md §6, trap 9).
 REQUIRED_FIELDS = {
     "architectures",
     "model_type",

@@ -60,7 +60,7 @@ def test_the_engine_check_reads_speculators_through_vllms_adapter(tmp_path) -> N
     check_engine_config(str(tmp_path), drafter.config)
     assert engine_view(str(tmp_path))["causal"] == [False, False]
     data = json.loads((tmp_path / "config.json").read_text())
-    data["sliding_window_non_causal"] = False  # flashdraft's export before issue 16
+    data["sliding_window_non_causal"] = False  # what older flashdraft exports wrote
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"causal: engines read \[True, True\]"):
         verify_export(drafter, str(tmp_path))

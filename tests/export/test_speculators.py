@@ -53,7 +53,7 @@ def test_speculators_config_fields() -> None:
 
 
 def test_speculators_causality_survives_vllms_adapter() -> None:
-    """Issue 16 item 2: vLLM turns `sliding_window_non_causal` into ONE causal flag for every
+    """vLLM turns `sliding_window_non_causal` into ONE causal flag for every
     layer (`dflash_config.causal = not sliding_window_non_causal`, PR #56692). All-full
     drafters must stay bidirectional there, all-sliding ones causal; mixed ones are refused."""
     full = to_speculators_config(tiny_config(), "t")
@@ -67,7 +67,7 @@ def test_speculators_causality_survives_vllms_adapter() -> None:
     bidirectional = {**to_speculators_config(sliding, "t"), "sliding_window_non_causal": True}
     with pytest.raises(ValueError, match="sliding_window_non_causal is true"):
         from_speculators_config(bidirectional)
-    # ...while what flashdraft wrote before issue 16 (all-full, `false`) still loads: speculators
+    # ...while what older flashdraft exports wrote (all-full, `false`) still loads: speculators
     # itself keeps full layers bidirectional whatever the flag (only vLLM misreads it).
     old = {**full, "sliding_window_non_causal": False}
     assert from_speculators_config(old) == tiny_config()

@@ -61,7 +61,7 @@ def test_hand_worked_full_mask() -> None:
 
 
 def test_hand_worked_sliding_mask() -> None:
-    """SPEC trap 5: a per-query window that moves with the slot (the old rule gave every slot
+    """docs/design.md §8 trap 5: a per-query window that moves with the slot (the old rule gave every slot
     the last W context positions before the anchor and the whole causal block)."""
     mask = build_mask(_layout(), "sdpa", sliding_window=3)
     assert torch.equal(mask[0, 0], SLIDING_W3)
@@ -97,7 +97,7 @@ def test_sliding_mask_equals_the_engines_rule(window: int) -> None:
 
 @pytest.mark.parametrize("seed", [5, 6, 7])
 def test_full_mask_equals_the_rule_on_random_packed_rows(seed: int) -> None:
-    """SPEC traps 2 and 4 on random rows (many documents, padding, invalid anchors): context
+    """docs/design.md §8 traps 2 and 4 on random rows (many documents, padding, invalid anchors): context
     strictly before the anchor and in its document only, each block its own keys only. The
     reference reads every key's document (`doc[c] == doc[a]`); the mask_mod reads the
     document start at the anchor instead."""

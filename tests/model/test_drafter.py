@@ -81,7 +81,7 @@ def test_decode_path_equals_training_path(sliding: bool) -> None:
 
 
 def test_context_at_or_after_the_anchor_is_invisible() -> None:
-    """SPEC trap 2: the anchor's own hidden state does not exist yet at drafting time."""
+    """docs/design.md §8 trap 2: the anchor's own hidden state does not exist yet at drafting time."""
     drafter, head = tiny_drafter(), tiny_head(tiny_config())
     hidden, ids = _row(1, 12)
     positions, docs, anchors = (
@@ -103,7 +103,7 @@ def test_context_at_or_after_the_anchor_is_invisible() -> None:
 
 
 def test_blocks_do_not_see_each_other() -> None:
-    """SPEC trap 4: changing one block's anchor token leaves every other block unchanged."""
+    """docs/design.md §8 trap 4: changing one block's anchor token leaves every other block unchanged."""
     drafter, head = tiny_drafter(), tiny_head(tiny_config())
     hidden, ids = _row(2, 16)
     positions, docs = torch.arange(16)[None], torch.zeros(1, 16, dtype=torch.long)
@@ -118,7 +118,7 @@ def test_blocks_do_not_see_each_other() -> None:
 
 @pytest.mark.parametrize("sliding", [False, True])
 def test_sliding_layers_are_causal_inside_the_block(sliding: bool) -> None:
-    """SPEC trap 5: with only sliding layers, slot s never depends on later slots."""
+    """docs/design.md §8 trap 5: with only sliding layers, slot s never depends on later slots."""
     kind = "sliding_attention" if sliding else "full_attention"
     config = tiny_config(layer_types=[kind, kind], sliding_window=4 if sliding else None)
     drafter = tiny_drafter(config)
@@ -136,7 +136,7 @@ def test_sliding_layers_are_causal_inside_the_block(sliding: bool) -> None:
 
 
 def test_rope_is_relative_over_context_and_block_keys() -> None:
-    """SPEC trap 7: shifting every position (context keys, block queries and keys) by the same
+    """docs/design.md §8 trap 7: shifting every position (context keys, block queries and keys) by the same
     offset changes nothing; shifting the block alone relative to its context does."""
     drafter, head = tiny_drafter(), tiny_head(tiny_config())
     hidden, ids = _row(4, 12)
@@ -281,7 +281,7 @@ def test_compiled_flex_drafter_matches_sdpa_forward_and_gradients_cuda() -> None
 
 
 def test_draft_block_matches_a_hand_written_spec_section_2_reference() -> None:
-    """SPEC 2 written out by hand for one block: ctx = hidden_norm(fc(taps)) once (not each
+    """docs/design.md §2 written out by hand for one block: ctx = hidden_norm(fc(taps)) once (not each
     layer's input_layernorm); per layer q = q_norm(q_proj(xn)), k = k_norm(k_proj([ctx ; xn])),
     v = v_proj([ctx ; xn]), context rows first, RoPE at absolute positions, bidirectional in
     the block, GQA; pre-norm residuals, SwiGLU, final norm. Both drafter paths are checked
@@ -339,7 +339,7 @@ def test_draft_block_matches_a_hand_written_spec_section_2_reference() -> None:
     ids=["mixed-W<B", "sliding-W>B"],
 )
 def test_decode_equals_training_over_a_long_decode(kinds: list[str], window: int) -> None:
-    """SPEC trap 5 over many steps: the decode cache appends a few tokens at a time (its
+    """docs/design.md §8 trap 5 over many steps: the decode cache appends a few tokens at a time (its
     buffers reallocate and the sliding layers drop what their window no longer sees), and
     every block still equals the training path's block at the same anchor."""
     config = tiny_config(layer_types=kinds, sliding_window=window, block_size=4)

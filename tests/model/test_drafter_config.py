@@ -6,7 +6,7 @@ from flashdraft.model.config import DrafterConfig, choose_mask_token_id, default
 
 
 def test_default_layer_ids_match_spec_examples() -> None:
-    # SPEC section 3: Qwen3-8B (36 layers, 5 draft layers) and a 64-layer target.
+    # docs/design.md §3: Qwen3-8B (36 layers, 5 draft layers) and a 64-layer target.
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(36, 1) == [18]
@@ -50,7 +50,7 @@ def test_sliding_layers() -> None:
 
 
 def test_mask_token_outside_table_is_refused() -> None:
-    # SPEC trap 6: the mask id must exist in the target's embedding table.
+    # docs/design.md §8 trap 6: the mask id must exist in the target's embedding table.
     with pytest.raises(ValueError, match="outside the target's embedding table"):
         DrafterConfig.from_target_config(_target(), mask_token_id=151936)
 
@@ -78,7 +78,7 @@ def test_mask_token_choice_on_real_tokenizers(smollm2_dir, qwen3_tokenizer_dir) 
 
 
 def test_the_last_target_layer_is_refused() -> None:
-    """SPEC trap 12: the engines read layer L-1 after the final norm, our hooks before it."""
+    """docs/design.md §8 trap 12: the engines read layer L-1 after the final norm, our hooks before it."""
     with pytest.raises(ValueError, match="after the final norm"):
         DrafterConfig.from_target_config(_target(), mask_token_id=0, target_layer_ids=[1, 35])
     DrafterConfig.from_target_config(_target(), mask_token_id=0, target_layer_ids=[1, 34])

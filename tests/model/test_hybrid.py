@@ -1,4 +1,4 @@
-"""Hybrid targets (SPEC 3, trap 11): linear-attention layers packed exactly, on tiny random
+"""Hybrid targets (docs/design.md §3, trap 11): linear-attention layers packed exactly, on tiny random
 Qwen3.5, Qwen3.5-MoE and Qwen3-Next models (layers linear, linear, linear, full)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hybrid targets (SPEC 3) as saved and as shaped: Qwen3.5-MoE and Qwen3-Next checkpoints
+"""Hybrid targets (docs/design.md §3) as saved and as shaped: Qwen3.5-MoE and Qwen3-Next checkpoints
 loaded through `load_target`, the layer types, document segments, the 27B's default taps and
 the FLOP count of its linear-attention layers. Packing exactness is in test_hybrid.py."""
 

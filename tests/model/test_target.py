@@ -10,7 +10,7 @@ def smol(smollm2_dir):
 
 
 def test_taps_equal_hidden_states_plus_one(smol) -> None:
-    """SPEC trap 1: id i is the output of decoder layer i = hidden_states[i + 1]."""
+    """docs/design.md §8 trap 1: id i is the output of decoder layer i = hidden_states[i + 1]."""
     ids = [0, 1, 8, 14, 20, 28]
     taps = LayerTaps(smol, ids)
     try:
@@ -192,9 +192,8 @@ def test_a_hybrid_checkpoint_passes_the_startup_checks_packing_included(tiny_qwe
 def test_a_multimodal_qwen3_5_checkpoint_loads_as_its_language_model(tmp_path) -> None:
     """Qwen3.5 / Qwen3.6 ship as Qwen3_5ForConditionalGeneration with a vision tower: the
     target is the text model alone, with the real text config, and the same logits."""
+    from tiny_models import tiny_qwen3_5
     from transformers import Qwen3_5ForConditionalGeneration
-
-    from flashdraft.assets import tiny_qwen3_5
 
     path = tiny_qwen3_5(tmp_path / "vlm", num_layers=4, multimodal=True)
     model = load_target(str(path), dtype="float32")

@@ -66,7 +66,7 @@ def test_block_inputs_tokens_and_positions() -> None:
 
 
 def test_labels_are_the_target_prediction_for_each_slot_not_shifted() -> None:
-    """SPEC trap 3: slot k's label is the target's argmax at a + k - 1 (= its guess of x_{a+k})."""
+    """docs/design.md §8 trap 3: slot k's label is the target's argmax at a + k - 1 (= its guess of x_{a+k})."""
     ids = torch.arange(100, 112)[None]  # token at packed index i is 100 + i
     # A perfect target: its argmax at position p is the next data token x_{p+1}.
     argmax = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)

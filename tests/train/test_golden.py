@@ -2,7 +2,7 @@
 decimals (one unit of the last one: the CPU's own kernels move that much).
 
 Every other training test compares one run with another; this one compares with numbers
-recorded before the package was restructured (issue 14), so a refactor that changes what is
+recorded before the package was restructured, so a refactor that changes what is
 computed (an op order, a mask, a normaliser) fails here even if it changes every run alike.
 The values are CPU float32 with one intra-op thread (tests/conftest.py). If a change is
 *meant* to alter the numbers, re-record them with `python tests/test_golden.py RUN_DIR`

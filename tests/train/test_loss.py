@@ -137,7 +137,7 @@ def test_the_compiled_log_q_is_the_eager_one(device, scale, softcap) -> None:
 
 
 def test_loss_is_independent_of_the_micro_batch_split() -> None:
-    """SPEC trap 10: normalise by the global weight sum, never per micro-batch."""
+    """docs/design.md §8 trap 10: normalise by the global weight sum, never per micro-batch."""
     config = tiny_config()
     head = tiny_head(config)
     slot_w = slot_weights(config.block_size, 7.0)
@@ -455,7 +455,7 @@ def test_dpace_weights_are_speculators_own() -> None:
 
 
 def test_dpace_loss_is_independent_of_the_micro_batch_and_rank_split() -> None:
-    """SPEC trap 10 for D-PACE: W is per block and the normaliser is the global trained-slot
+    """docs/design.md §8 trap 10 for D-PACE: W is per block and the normaliser is the global trained-slot
     count, so any split of the blocks over micro-batches (or ranks, whose gradients are
     summed) gives the same loss and gradients, equal to the global dense definition."""
     config = tiny_config()

@@ -1,4 +1,4 @@
-"""Two torchrun "nodes" on one machine (issue 19): multi-node training proven, not assumed.
+"""Two torchrun "nodes" on one machine: multi-node training proven, not assumed.
 
 Each node is its own `torchrun --nnodes 2 --nproc-per-node 2` launch, joined by a c10d
 rendezvous on a loopback port, gloo on the CPU: 4 processes in all, exactly as on two hosts

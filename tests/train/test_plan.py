@@ -189,4 +189,4 @@ def test_the_initial_drafter_is_seeded_or_warm_started(tmp_path, tiny_qwen3_dir,
     with pytest.raises(
         ValueError, match=r"set drafter\.num_layers=\d+ drafter\.intermediate_size=\d+"
     ):
-        initial_drafter(config, narrow)  # e.g. a pruned export (bench/prune_mlp.py)
+        initial_drafter(config, narrow)  # e.g. a pruned export (experiments/prune_mlp.py)

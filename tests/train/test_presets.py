@@ -22,12 +22,10 @@ def test_the_smollm2_135m_preset_is_the_shipped_toml() -> None:
 
 
 def test_the_reference_recipe_is_the_measured_one() -> None:
-    """Issue 18's recipe after the ablations of 2026-12-02 to 2026-12-06: 7 layers with MLPs
-    of 352 (5 x 704 before s45) tapping the five layers the 5-layer rule picks, B = 16,
-    A = 2048 anchors per 8192-token row (512 before), soft labels (top 32; the target's
-    argmax before) with half the argmax mixed in under D-PACE slot weights (the decay, gamma
-    7, before s36), and Muon at 1e-3 with 1% warmup and a linear decay to 0 (AdamW 6e-4
-    cosine before)."""
+    """The reference recipe (docs/reference-recipe.md): 7 layers with MLPs of 352 tapping
+    the five layers the 5-layer rule picks, B = 16, A = 2048 anchors per 8192-token row,
+    soft labels (top 32) with half the argmax mixed in under D-PACE slot weights, and Muon
+    at 1e-3 with 1% warmup and a linear decay to 0."""
     run = smollm2_135m(target="smol", datasets=("d",), output="o", eval_prompts="p", steps=7)
     assert (run.drafter.num_layers, run.drafter.block_size) == (7, 16)
     assert run.drafter.intermediate_size == 352

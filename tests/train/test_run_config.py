@@ -119,7 +119,7 @@ def test_the_argmax_mix_is_a_share_of_soft_labels_only() -> None:
     assert load_run_config(None, base).loss.argmax_mix == 0.0  # off unless asked for
     with pytest.raises(cfg.ConfigError, match=r"loss\.argmax_mix = 0\.5.*only with labels"):
         load_run_config(None, [*base, "loss.argmax_mix=0.5"])  # hard labels: nothing to mix
-    # the smollm2-135m preset mixes 0.5 in (s36): hard labels over it say which key to reset
+    # the smollm2-135m preset mixes 0.5 in: hard labels over it say which key to reset
     preset = RunSource(preset="smollm2-135m")
     with pytest.raises(cfg.ConfigError, match=r"or loss\.argmax_mix = 0 \(a preset may set it\)"):
         preset.load("loss.labels=target")

@@ -50,7 +50,7 @@ def _batch(docs, anchors_per_doc, pad: int = 0) -> DraftBatch:
 
 
 def test_packed_row_gives_the_same_blocks_and_loss_as_its_documents_alone() -> None:
-    """SPEC trap 4 and 7: packing changes nothing (per-document masks and positions)."""
+    """docs/design.md §8 traps 4 and 7: packing changes nothing (per-document masks and positions)."""
     config = tiny_config()
     drafter, head = tiny_drafter(config), tiny_head(config)
     slot_w = slot_weights(4, 7.0)

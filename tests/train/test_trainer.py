@@ -135,7 +135,7 @@ def test_checkpoint_round_trip_through_a_real_s3_server(
 def test_every_micro_batch_is_normalised_by_the_whole_step(
     monkeypatch, tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
-    """SPEC trap: the loss is sum(w m CE) over the whole optimizer step divided by that step's
+    """docs/design.md §4: the loss is sum(w m CE) over the whole optimizer step divided by that step's
     sum(w m), not a per-micro-batch mean. Every micro-batch of a step must get the same
     normaliser, equal to the sum of the micro-batches' own sum(w m)."""
     import flashdraft.train.trainer as train_module
@@ -211,7 +211,7 @@ def test_rows_with_nothing_to_train_do_not_stop_the_run(
     into rows of prompt only and a last row with the answer: steps on the prompt rows have
     no trained slot. They log loss 0, tau_hat 1 and a zero gradient (a 0 / 0 loss stopped
     such runs as "not finite"; that their optimizer step is skipped is tests/train/
-    test_optim.py's), and the answer's step trains: with 2 rows a step (SPEC trap 10) the
+    test_optim.py's), and the answer's step trains: with 2 rows a step (docs/design.md §8 trap 10) the
     step is empty only when both rows are, so the answer row's step updates the weights."""
     from flashdraft.export.dflash import load_dflash
     from flashdraft.model.drafter import init_seeded
@@ -407,8 +407,7 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
 def test_dpace_weights_train_with_the_target_ahead(
     tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, labels
 ) -> None:
-    """The next device ablation (dev/LOG.md, s25: D-PACE at the shipped shape, with soft and
-    with hard labels) as the preset runs it, the target ahead over rows: it trains, each
+    """D-PACE at the shipped shape, with soft and with hard labels, as the preset runs it, the target ahead over rows: it trains, each
     logged loss finite, and running ahead changes nothing but rounding (as with decay)."""
     groups = record_run_ahead(monkeypatch)
     extra = {
