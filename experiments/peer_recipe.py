@@ -1,4 +1,4 @@
-"""The reference recipe side by side with a peer's (issue 18, item 4): speculators' DFlash.
+"""The reference recipe side by side with a peer's: speculators' DFlash.
 
 Trains speculators 0.9.0's `DFlashDraftModel` (vLLM project) with speculators' own loss and
 its recommended optimizer, learning rate and schedule, on exactly what flashdraft's

@@ -1,6 +1,6 @@
 """A trained DFlash drafter with its MLPs cut to fewer neurons: a smaller export to serve as it
 is or to warm-start a narrow run from (`--set drafter.init_from=OUT
-drafter.intermediate_size=WIDTH`; issue 18's 25 MB drafter).
+drafter.intermediate_size=WIDTH`; how the 25 MB shipped drafter was first made).
 
     python experiments/prune_mlp.py --drafter RUN/export --width 704 --output /tmp/narrow \\
         --calibration TRAIN_PROMPTS.jsonl --mix chat=6,humaneval=6,code=12

@@ -1,4 +1,4 @@
-"""The reference SmolLM2-135M recipe (issue 18), reproduced by one command.
+"""The reference SmolLM2-135M recipe (docs/reference-recipe.md), reproduced by one command.
 
     python experiments/quality.py all                          # GPU: data -> train -> eval -> report
     python experiments/quality.py all --deadline 540           # one device call; run again to go on

@@ -406,7 +406,7 @@ def _before_loops_tables(rows: list[dict[str, Any]], peer: dict[str, Any] | None
 
 def compare_table(rows: list[dict[str, Any]], peer: dict[str, Any] | None) -> str:
     """A markdown table of the runs (the keys where their recipes differ) and, when the peer
-    ran, each run's tau over the peer's per kind (issue 18's goal: >= 1.05) with its 90%
+    ran, each run's tau over the peer's per kind (the goal: >= 1.05) with its 90%
     paired bootstrap interval over the prompts."""
     recipes = [r["recipe"] for r in rows if r["recipe"]]  # a run not started has none
     keys = sorted({k for rec in recipes for k in rec})

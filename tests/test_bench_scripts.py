@@ -41,12 +41,14 @@ def test_the_trainer_bench_stacks_rows_and_takes_run_config_overrides() -> None:
     assert {r["rows"] for r in result["results"] if r["what"] != "full online step"} == {2}
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_the_trainer_bench_times_the_first_steps() -> None:
     result = json.loads(run("bench/trainer.py", "--smoke", "--first-step").strip().splitlines()[-1])
     assert result["bench"] == "trainer-first-step"
     assert result["first_step_s"] >= 0 and result["second_step_s"] > 0
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_the_trainer_bench_runs_the_target_ahead() -> None:
     """`--set target.forward_rows=4`: the target's part is one forward of 4 rows, the
     drafter's one row, a full-step call the group of 4 steps (as the reference recipe's
@@ -274,6 +276,7 @@ def test_the_peers_bench_runs_its_readme_lines_in_smoke_sizes(tmp_path: Path) ->
     assert sizes == {(512, 32), (256, 16)} and set(merged["ratios"]) == {"512:32", "256:16"}
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_the_prefill_profile_runs_on_cpu() -> None:
     stdout = run("bench/prefill_profile.py", "--smoke")
     assert "prefill of 3 x 20 tokens" in stdout and "aten::" in stdout

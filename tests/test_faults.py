@@ -135,6 +135,7 @@ def test_train_killed_at_a_random_point_resumes_to_the_uninterrupted_run(
     _same_run(run, reference_run)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for_bit(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
@@ -170,6 +171,7 @@ def test_sigterm_checkpoints_at_the_end_of_a_run_ahead_group_and_resumes_bit_for
     _same_run(run, whole)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_a_muon_run_stopped_at_a_checkpoint_resumes_to_the_uninterrupted_run(
     tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:
@@ -263,6 +265,7 @@ def _chats(path: Path, count: int, first_exchange: bool = False) -> Path:
     return path
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_prepare_killed_at_a_random_point_finishes_identical(tmp_path, tiny_qwen3_dir) -> None:
     source = _chats(tmp_path / "chats.jsonl", 56)
 
@@ -281,6 +284,7 @@ def test_prepare_killed_at_a_random_point_finishes_identical(tmp_path, tiny_qwen
     assert _files(out) == _files(tmp_path / "reference")
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_generate_killed_at_a_random_point_finishes_identical(tmp_path, tiny_qwen3_dir) -> None:
     prompts = _chats(tmp_path / "chats.jsonl", 32, first_exchange=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 from helpers import drafter_config_for, tiny_config
 
 from flashdraft import cli
@@ -24,6 +25,7 @@ def _prompts(tmp_path) -> str:
     return str(prompts)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_eval_cli_writes_report_and_plot(tmp_path, tiny_qwen3_dir, capsys) -> None:
     from transformers import AutoModelForCausalLM
 

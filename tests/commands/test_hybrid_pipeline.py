@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import read_metrics, train_settings
 
 from flashdraft import cli
@@ -58,6 +59,7 @@ def test_train_export_eval_on_a_tiny_hybrid(tmp_path, tiny_qwen3_5_dir, qwen_dat
         assert sum(entry["acceptance_lengths"]) + 1 == len(entry["output_ids"])
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_generate_with_a_hybrid_target_batched_equals_one_by_one(tmp_path, tiny_qwen3_5_dir):
     """Left-padded batches through the linear layers (their 2D padding mask) give exactly
     the answers of each prompt alone."""

@@ -187,6 +187,7 @@ def test_greedy_across_attention_lengths_equals_each_prompt_alone(model) -> None
     assert out == [greedy_alone(model, p, stop=set()) for p in prompts]
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_bench_synthetic_smoke_runs_on_cpu() -> None:
     out = subprocess.run(
         [sys.executable, "bench/generate.py", "--synthetic", "--smoke"],

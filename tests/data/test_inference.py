@@ -69,6 +69,7 @@ def test_greedy_batched_generation_equals_model_generate(
     assert sum(counted) == sum(g.num_generated for g in batched)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_the_static_backend_gives_the_hf_backends_greedy_results(smol: tuple[Any, Any]) -> None:
     """Real SmolLM2 (fp32): the same token ids and finish reasons as HF's batched generate,
     through slots that are fewer than the prompts (refills) and a cache grown between calls."""

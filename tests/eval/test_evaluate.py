@@ -115,6 +115,7 @@ def fit_drafter(smol, chats, steps: int = 100) -> DFlashDrafter:
     return drafter
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_lossless_on_smollm2_with_an_untrained_drafter(smol, smol_tokenizer, chats) -> None:
     config = DrafterConfig.from_target_config(
         smol.config, mask_token_id=16, num_layers=1, block_size=BLOCK, intermediate_size=512

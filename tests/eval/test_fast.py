@@ -214,6 +214,7 @@ def test_cache_slots_hold_the_decode_in_few_sizes() -> None:
     assert sizes == {512, 1024, 2048, 4096}
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
     """The quality pipeline evaluates many prompt sets in one process; a compiled step per
     set's longest prompt hit dynamo's recompile limit (a hard error with fullgraph) on the
@@ -249,7 +250,7 @@ def test_prompt_sets_of_other_lengths_do_not_recompile_the_step(target) -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_the_compiled_drafter_parts_decode_as_the_eager_ones(temperature) -> None:
     """With a compile backend the drafter's block and its context's K/V projection are
     compiled too (the extend writes the caches in place: a lost write would change what later
@@ -310,6 +311,7 @@ class ResampleFromTarget(StaticDecoder):
         return accepted, (row.log() + noise).argmax(-1)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_sampling_matches_the_targets_distribution_and_a_wrong_rule_does_not() -> None:
     """As tests/eval/test_speculative.py, through the static loop's in-graph sampling:
     4-token vocabulary, 4 new tokens, B = 3, the exact joint law of 256 outcomes."""
@@ -340,6 +342,7 @@ def test_sampling_matches_the_targets_distribution_and_a_wrong_rule_does_not() -
     assert p_values["ResampleFromTarget"] < 1e-6, p_values
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_bench_speed_smoke_runs_on_cpu() -> None:
     out = subprocess.run(
         [sys.executable, "bench/eval.py", "--speed", "--smoke", "--layers", "2"],

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from helpers import rows_by_part, train_settings
 
 from flashdraft import cli
@@ -24,6 +25,7 @@ def test_bench_times_a_run_config_on_this_device(
     assert all(r["median_ms"] > 0 for r in result["results"])
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_bench_with_stacked_rows_counts_every_row(
     tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:
@@ -44,6 +46,7 @@ def test_bench_with_stacked_rows_counts_every_row(
     assert 0.5 * full["row"] < per_row <= 1.01 * full["row"]
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_bench_with_the_target_run_ahead_times_whole_groups(
     tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:
@@ -59,6 +62,7 @@ def test_bench_with_the_target_run_ahead_times_whole_groups(
     assert result["overhead_ratio"] > 0
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_bench_with_the_target_ahead_as_far_as_the_drafter_stacks(
     tmp_path, tiny_qwen3_dir, qwen_data, capsys
 ) -> None:

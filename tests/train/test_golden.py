@@ -122,6 +122,7 @@ def test_a_fixed_seed_run_reproduces_the_pinned_losses(tmp_path, tiny_qwen3_dir,
         assert weights[name][1] == pytest.approx(norm, rel=1e-5), name
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_two_rows_in_one_forward_follow_the_same_curve(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
     """`optim.rows_per_forward = 2`: the step's two rows go through the target and the drafter
     stacked, one forward each instead of two; the loss is the same sum, so the run follows

@@ -76,7 +76,7 @@ def _same_curve(got: list[dict], want: list[dict]) -> None:
             {"optim.grad_accum": 2, "parallel.placement": '"split"', "parallel.target_ranks": 1},
         ),
         # the target rank sends row by row; the drafter rank stacks the step's two rows
-        (
+        pytest.param(
             "split-stacked",
             {
                 "optim.grad_accum": 2,
@@ -84,10 +84,15 @@ def _same_curve(got: list[dict], want: list[dict]) -> None:
                 "parallel.placement": '"split"',
                 "parallel.target_ranks": 1,
             },
+            marks=pytest.mark.slow,
         ),
         # the target's decoder layers sharded over the 2 ranks with FSDP2 (a target too big
         # for one GPU); the drafter replicas still see the whole target's features
-        ("sharded-target", {"optim.grad_accum": 1, "parallel.shard_target": "true"}),
+        pytest.param(
+            "sharded-target",
+            {"optim.grad_accum": 1, "parallel.shard_target": "true"},
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_two_processes_match_one_on_the_same_global_batch(
@@ -101,6 +106,7 @@ def test_two_processes_match_one_on_the_same_global_batch(
     assert (run / "export" / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_fsdp_drafter_matches_one_process_and_exports_full_weights(
     tmp_path, tiny_qwen3_dir, qwen_data, single
 ) -> None:
@@ -177,6 +183,7 @@ def _trace(folder: Path, rank: int) -> list[dict]:
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(
     tmp_path, tiny_qwen3_dir, qwen_data, single
 ) -> None:

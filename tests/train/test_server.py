@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import train_settings
@@ -79,6 +80,7 @@ def _job(rank: int, port: int, settings: list[str], soft: int) -> None:
         shutdown(info)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_a_drafter_rank_receives_what_its_target_rank_computes(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:

@@ -110,6 +110,7 @@ def test_draft_loss_sums_the_residual_in_the_dtype_asked() -> None:
     assert seen == [torch.bfloat16, torch.float32]
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_the_trainer_learns_with_soft_labels_and_dpace(tmp_path, tiny_qwen3_dir, qwen_data) -> None:
     """`flashdraft train` with both loss options on the tiny Qwen3 target: the trainer's
     batches carry the soft labels (else the run would be hard-label training) and its loss

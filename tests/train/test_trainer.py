@@ -79,6 +79,7 @@ def test_on_cuda_the_default_run_trains_with_varlen_attention(
     assert (run / "export" / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_trains_end_to_end_on_real_smollm2_with_in_training_eval(
     tmp_path, smollm2_dir, smol_data
 ) -> None:
@@ -203,7 +204,7 @@ def test_a_non_finite_loss_stops_the_run_before_anything_is_written(
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("grad_accum", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_rows_with_nothing_to_train_do_not_stop_the_run(
     tmp_path, tiny_qwen3_dir, grad_accum, caplog
 ) -> None:
@@ -252,6 +253,7 @@ def test_rows_with_nothing_to_train_do_not_stop_the_run(
     assert not torch.equal(exported.fc.weight, initial.fc.weight)  # the one step was taken
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_a_warm_started_run_resumes_without_its_warm_start_folder(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
@@ -324,6 +326,7 @@ def setup_total(out: str) -> float:
     return float(re.search(r"set up in ([\d.]+) s:", out).group(1))
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
     tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, capsys
 ) -> None:
@@ -403,6 +406,7 @@ def test_a_run_with_the_target_ahead_resumes_to_the_uninterrupted_run(
         assert torch.equal(x, y), name
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 @pytest.mark.parametrize("labels", ["soft", "target"])
 def test_dpace_weights_train_with_the_target_ahead(
     tmp_path, tiny_qwen3_dir, qwen_data, monkeypatch, labels
@@ -431,6 +435,7 @@ def test_dpace_weights_train_with_the_target_ahead(
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_soft_labels_with_the_whole_argmax_mixed_in_train_as_hard_labels(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
