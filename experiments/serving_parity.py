@@ -1,7 +1,7 @@
 """flashdraft's drafter against the reference implementations, on the real SmolLM2-135M target.
 
     python experiments/serving_parity.py                    # z-lab's dflash on the dflash export
-    PYTHONPATH=. SPEC_VENV/bin/python experiments/serving_parity.py --speculators   # + speculators
+    python experiments/serving_parity.py --speculators   # + speculators (make test installs it)
 
 For three random drafters with non-trivial weights (two full-attention layers; one sliding and
 one full layer; two sliding layers; window W = 5 < B = 8), on one chat prompt in fp32: the
