@@ -253,7 +253,7 @@ def test_the_peers_bench_runs_its_readme_lines_in_smoke_sizes(tmp_path: Path) ->
         results.append((argv, json.loads(run("bench/peers.py", *argv).strip().splitlines()[-1])))
     (merge,) = [a for a in lines if "--merge" in a]
     files = merge[merge.index("--merge") + 1 :]
-    missing = [f for f in files if f not in outs]  # the README's second one-size call
+    missing = [f for f in files if f not in outs]  # the guide's second one-size call
     for name in missing:
         (argv, _) = next(r for r in results if "--out" in r[0])
         argv = [str(tmp_path / name) if a == argv[argv.index("--out") + 1] else a for a in argv]

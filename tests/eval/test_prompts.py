@@ -34,7 +34,7 @@ def test_prompt_shapes_render_with_the_generation_prompt(smol_tokenizer) -> None
 
 def test_a_generate_output_record_gives_its_prompt(smol_tokenizer) -> None:
     """What `flashdraft generate` writes (prompt messages + completion) evaluates on its
-    prompt, so its output file serves as the fit check's trained prompts (README)."""
+    prompt, so its output file serves as the fit check's trained prompts (docs/training.md)."""
     tok = smol_tokenizer
     chat = [
         {"role": "user", "content": "Hi there"},

@@ -1,6 +1,7 @@
 """experiments/quality.py and its stages (experiments/quality_pipeline.py, the eval stage in
-experiments/quality_eval.py): the command line and the README's lines, the stages' own files and
-markers, the committed data and drafter, and (slow) the whole pipeline in its CPU smoke size."""
+experiments/quality_eval.py): the command line, the stages' own files and markers, the
+defaults against the shipped run's recorded settings, and (slow) the whole pipeline in its CPU
+smoke size."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_prompt_subsets_carry_their_pass_in_the_id(stages: ModuleType, tmp_path:
 def test_smoke_sizes_and_repeated_overrides(quality: ModuleType) -> None:
     stage, config, overrides = quality.parse(
         ["train", "--smoke", "--run", "layers3", "--set", "drafter.num_layers=3", "--set", "seed=1"]
-    )  # the README's ablation line, smoke-sized
+    )  # an ablation line (docs/reference-recipe.md), smoke-sized
     assert (stage, config.run, config.device, config.steps) == ("train", "layers3", "cpu", 6)
     assert overrides == ["drafter.num_layers=3", "seed=1"]
     with pytest.raises(SystemExit):

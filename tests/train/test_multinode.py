@@ -198,7 +198,7 @@ def test_two_nodes_match_one_process(
         assert len(targets) == 1 and len(drafters) == 1 and targets != drafters
         assert {e["rank"] for e in events if e["event"] == "row"} == {2, 3}
         # What crosses the network per row: the taps [1, T, K*H] in the target's dtype and the
-        # labels [1, A, B-1] int64 (README, multi-node: the Qwen3-8B figure comes from this).
+        # labels [1, A, B-1] int64 (docs/multi-node.md: the Qwen3-8B figure comes from this).
         sends = [e["bytes"] for e in events if e["event"] == "send"]
         row_tokens, taps, hidden, anchors, block = 256, 1, 64, 24, 8  # tests/helpers.py sizes
         assert len(sends) == control[-1]["step"] * ROWS_PER_STEP
