@@ -215,12 +215,11 @@ class SlotDecoder:
     # Attention reads the first kv_len slots of every row, kv_len from a ladder of lengths
     # (multiples of 128): `ladder_steps` per octave, so a window reads at most 1 + 1/steps
     # times the slots its furthest request needs. Each length is one graph to capture.
-    # 2026-12-01 (one graph per step then): steps 2 were slower end to end than powers of
-    # two on an H200 (17.5K vs 19.9K tok/s, 2,048 prompts; the captures cost more than the
-    # reads saved; measured on an H200).
-    # 2026-12-03, one graph per window: 4 steps per octave against 1, 4,096 prompts at
-    # batch 256: 53.3K vs 46.9K tok/s (3.03 vs 3.40 ms per step; the captures, ~0.7 vs
-    # ~0.3 s, are paid once per process, measured on an H200).
+    # With one graph per step, 2 steps per octave were slower end to end than powers of two
+    # on an H200 (17.5K vs 19.9K tok/s, 2,048 prompts: the captures cost more than the reads
+    # saved). With one graph per 8-step window, 4 steps per octave against 1, 4,096 prompts
+    # at batch 256: 53.3K vs 46.9K tok/s (3.03 vs 3.40 ms per step; the captures, ~0.7 vs
+    # ~0.3 s, are paid once per process).
     ladder_steps: int = 4
 
     def _attention_length(self, furthest: int) -> int:

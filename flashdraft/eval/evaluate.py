@@ -337,7 +337,7 @@ def evaluate_drafter(
         **({"tie_tolerance": tolerance} if checked else {}),
         "eos_ids": sorted(eos),
         "device": str(loop.device),
-        # what ran the timings: they compare only within one machine's boot (bench/quality_speed)
+        # what ran the timings: they compare only within one machine's boot (experiments/quality_speed)
         "device_name": device_name(loop.device),
         "machine": machine_id(),
         "target_dtype": str(target_dtype).removeprefix("torch."),
