@@ -28,6 +28,7 @@ def run(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_the_trainer_bench_stacks_rows_and_takes_run_config_overrides() -> None:
     stdout = run(
         "bench/trainer.py", "--smoke", "--rows-per-forward", "2", "--skip-overlap-off",

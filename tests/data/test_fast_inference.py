@@ -312,6 +312,7 @@ def test_varlen_slots_equal_each_prompt_alone_at_one_attention_length(
     assert out == [greedy_alone(model, p) for p in prompts]
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_flex_slots_equal_each_prompt_alone(model, prompts) -> None:
     length = cache_length(max(len(p) for p in prompts), NEW, 4)
     decoder = SlotDecoder(

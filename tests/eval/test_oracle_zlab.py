@@ -54,7 +54,10 @@ def tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-@pytest.fixture(scope="module", params=sorted(KINDS))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(k, marks=pytest.mark.slow) if k == "narrow" else k for k in sorted(KINDS)],
+)
 def pair(request, target, tmp_path_factory) -> tuple[DFlashDrafter, Any]:
     """(our drafter, z-lab's model), both read from one dflash export, fp32."""
     sliding, width = KINDS[request.param]

@@ -352,7 +352,7 @@ def _packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
     return ids, positions, docs
 
 
-@pytest.mark.parametrize("scope", ["layers", "stack"])
+@pytest.mark.parametrize("scope", ["layers", pytest.param("stack", marks=pytest.mark.slow)])
 def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
     """compile_target: "stack" traces the taps' hooks into one graph of the whole stack,
     "layers" compiles each decoder layer's forward with the hooks outside it, one graph for

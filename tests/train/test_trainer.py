@@ -40,6 +40,7 @@ def _learns(records: list[dict]) -> None:
     assert len(last["acc"]) == 7  # slots 1..B-1 for B = 8
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
 def test_trains_end_to_end_on_a_tiny_qwen3_with_the_real_qwen3_tokenizer(
     tmp_path, tiny_qwen3_dir, qwen_data
 ) -> None:
