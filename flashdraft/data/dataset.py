@@ -159,7 +159,13 @@ def write_dataset(
         digests.append(hashlib.sha256(data).hexdigest())
         storage.write_bytes_atomic(storage.join(url, names[-1]), data)
     write_layout(url, names, fingerprint(digests))
-    record = {"format": FORMAT, "version": FORMAT_VERSION, "status": "complete", "counts": counts}
+    record = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "status": "complete",
+        "counts": counts,
+        "content_sha256": fingerprint(digests),
+    }
     storage.write_json_atomic(storage.join(url, MANIFEST), {**record, **(manifest or {})})
 
 
@@ -472,4 +478,24 @@ def open_datasets(urls: Iterable[str], *, require_complete: bool = True) -> Prep
 
 
 def fingerprint(digests: Iterable[str]) -> str:
+    """One sha256 over the data files' sha256 digests, in order: the dataset's content."""
     return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+def dataset_identity(url: str) -> str:
+    """What a prepared dataset holds, cheaply: the fingerprint of its data files' sha256s
+    (manifest `content_sha256`), read without touching the data. A dataset re-prepared in
+    place with other samples gets another identity; the same samples, the same one.
+
+    Datasets prepared before the manifest recorded it give the 16-hex-digit prefix that
+    `state.json` has always kept (the same digests, truncated).
+    """
+    manifest = read_manifest(url, require_complete=False)
+    content = manifest.get("content_sha256")
+    if isinstance(content, str) and content:
+        return content
+    state = storage.read_json(storage.join(url, STATE))
+    short = state.get("_fingerprint") if isinstance(state, dict) else None
+    if not isinstance(short, str) or not short:
+        raise ValueError(f"{url!r} records no content fingerprint; prepare it again")
+    return short

@@ -53,6 +53,7 @@ from flashdraft.data.dataset import (
     REJECTS,
     ShardStore,
     filter_stream,
+    fingerprint,
     open_dataset,
     record_batch,
     stream_bytes,
@@ -419,6 +420,7 @@ def _manifest(
         "counts": {k: sum(m["counts"].get(k, 0) for m in markers) for k in keys},
         "rejected_by_reason": dict(reasons.most_common()),
         "data_files": data_files,
+        "content_sha256": fingerprint(m["sha256"] for m in markers),
     }
 
 

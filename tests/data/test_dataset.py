@@ -12,6 +12,7 @@ import pytest
 from flashdraft.data.dataset import (
     PreparedDataset,
     ShardStore,
+    dataset_identity,
     filter_stream,
     open_dataset,
     open_datasets,
@@ -51,6 +52,22 @@ def test_reader_returns_what_was_written(tmp_path: Path) -> None:
     with pytest.raises(IndexError):
         dataset.sample(25)
     assert dataset.manifest["counts"]["samples"] == 25
+
+
+def test_dataset_identity_follows_the_content(tmp_path: Path) -> None:
+    write_dataset(str(tmp_path / "a"), rows(12), shards=2)
+    write_dataset(str(tmp_path / "b"), rows(12), shards=2, manifest={"note": "other"})
+    write_dataset(str(tmp_path / "c"), rows(6), shards=2)
+    same, other = dataset_identity(str(tmp_path / "b")), dataset_identity(str(tmp_path / "c"))
+    assert dataset_identity(str(tmp_path / "a")) == same != other
+    # Rewritten in place with other samples: another identity.
+    write_dataset(str(tmp_path / "a"), rows(6), shards=2)
+    assert dataset_identity(str(tmp_path / "a")) == other
+    # A manifest from before content_sha256: the prefix state.json keeps.
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    del manifest["content_sha256"]
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    assert dataset_identity(str(tmp_path / "c")) == other[:16]
 
 
 def test_datasets_load_from_disk_opens_it(tmp_path: Path) -> None:

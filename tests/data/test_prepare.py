@@ -14,7 +14,7 @@ import zstandard
 
 from flashdraft import cli
 from flashdraft.data.audit import Thresholds
-from flashdraft.data.dataset import open_dataset
+from flashdraft.data.dataset import dataset_identity, open_dataset
 from flashdraft.data.prepare import prepare
 from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.data.template import TemplateOptions
@@ -112,6 +112,7 @@ def test_mixed_inputs_end_to_end(tmp_path: Path, smollm2_dir: Path) -> None:
     dataset = open_dataset(str(tmp_path / "out"))
     assert len(dataset) == 40 and dataset.source(0) == f"{data / 'a.jsonl'}:1"
     assert int(dataset.num_loss_tokens.sum()) == manifest["counts"]["loss_tokens"]
+    assert dataset_identity(str(tmp_path / "out")) == manifest["content_sha256"]
     datasets = pytest.importorskip("datasets")
     assert len(datasets.load_from_disk(str(tmp_path / "out"))) == 40
 
