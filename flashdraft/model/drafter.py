@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from flashdraft.model.attention import Backend, BlockLayout, Mask, attend, build_mask, decode_mask
 from flashdraft.model.config import DrafterConfig
@@ -142,6 +143,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Activation checkpointing (`drafter.activation_checkpointing`): keep only the layer's
+        # inputs for backward and run its forward again there. Not a parameter: the state dict
+        # is the same either way.
+        self.checkpointed = False
 
     def forward(
         self,
@@ -153,7 +158,27 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         """Training: ctx [R, T, H] fused context states, projected to K/V here, inside the
         layer's forward: FSDP2 gathers a layer's weights only for its forward, and the compiled
-        layer is one graph with its K/V projection."""
+        layer is one graph with its K/V projection.
+
+        Checkpointed, the recomputation sits inside this forward (non-reentrant
+        `torch.utils.checkpoint`), so a compiled layer traces it into its graph and FSDP2's
+        hooks around the module call gather the weights once for the forward and once for
+        the backward, as without it (torchtitan's order: checkpoint, then compile, then shard).
+        """
+        if self.checkpointed and torch.is_grad_enabled():
+            out = checkpoint(self._forward, x, ctx, rope_ctx, rope_q, mask, use_reentrant=False)
+            assert isinstance(out, Tensor)
+            return out
+        return self._forward(x, ctx, rope_ctx, rope_q, mask)
+
+    def _forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_ctx: tuple[Tensor, Tensor],
+        rope_q: tuple[Tensor, Tensor],
+        mask: Mask | None,
+    ) -> Tensor:
         return self.decode(x, self.self_attn.project_kv(ctx, *rope_ctx), rope_q, mask)
 
     def decode(
@@ -282,6 +307,15 @@ class DFlashDrafter(nn.Module):
                     module.weight.copy_(weight)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each layer's activations in backward instead of keeping them
+        (`drafter.activation_checkpointing`): the same loss and gradients, about one more
+        forward of the layers in time, and of the layers' saved activations only their
+        inputs kept (`train/preflight.py` counts both)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.checkpointed = enabled
 
     def fuse_context(self, target_hidden: Tensor) -> Tensor:
         """[R, T, K*H] concatenated taps -> [R, T, H]: hidden_norm(fc(.)), once, not per layer."""

@@ -116,6 +116,13 @@ class DrafterSection:
         "float32 sums the layers' outputs in fp32, as speculators trains (exports run bf16 "
         "either way)",
     )
+    activation_checkpointing: bool = option(
+        False,
+        help="recompute each draft layer's activations in backward instead of keeping them: "
+        "less memory in the drafter step, about one more forward of the layers in time; the "
+        "same loss and gradients (parallel.placement = 'auto' may turn it on)",
+        tags=SAFE,
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)

@@ -125,6 +125,7 @@ class Trainer:
         resuming = plan.resume_from is not None
         self.drafter = initial_drafter(config, self.drafter_config, resuming=resuming)
         self.drafter = self.drafter.to(self.device)
+        self.drafter.set_activation_checkpointing(config.drafter.activation_checkpointing)
         if config.compile and self.device.type == "cuda":
             compile_drafter(self.drafter)
         self.model = wrap_drafter(
