@@ -8,7 +8,8 @@ From that one declaration this module derives everything that used to be written
   and its range or choices; a bad value is one `ConfigError` line naming the key, the value
   and what is allowed;
 * the command line (`add_arguments` / `from_args`): one flag per field, nested configs
-  flattened, booleans as `--flag` / `--no-flag`;
+  flattened, booleans as `--flag` (off by default) or `--no-flag` (on by default; its help is
+  generated as the negation of the field's, which always says what *on* does);
 * files and overrides (`build`, `apply_overrides`, `load_file`): a nested dict (TOML or
   JSON, plus dotted `--set a.b=v`) to the nested config, unknown keys refused by name;
 * the settings a command writes into its outputs (`settings`): the fields carrying a tag.
@@ -67,13 +68,19 @@ def option(
     metavar: str | None = None,
     cli: bool = True,
     tags: tuple[str, ...] = (),
+    off_help: str | None = None,
 ) -> Any:
     """A config field: its default (or `factory`), its help, what values are allowed
     (`choices`, or bounds `ge` / `gt` / `le` / `lt`), how it is spelled on the command line
     (`flag`, default `--name-with-dashes`; `positional`; `cli=False` keeps it off the command
-    line) and the `tags` under which `settings` records it."""
+    line) and the `tags` under which `settings` records it.
+
+    A boolean's `help` says what it does when on. One that is on by default appears as
+    `--no-name`, whose help is `off_help` (what turning it off does) or, without one, the
+    negation generated from `help` (`negated_help`). Float fields refuse inf and nan."""
     metadata = {
         "help": help,
+        "off_help": off_help,
         "choices": choices,
         "bounds": {
             k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None
@@ -181,6 +188,13 @@ def _bounds_text(bounds: dict[str, float]) -> str:
     return " and ".join(f"{words[k]} {v:g}" for k, v in bounds.items())
 
 
+def _finite(value: Any) -> bool:
+    """False for an inf or nan float (or a list holding one): no option means "unbounded" by
+    inf, and a nan compares false with every bound."""
+    items = value if isinstance(value, list) else [value]
+    return all(math.isfinite(x) for x in items if isinstance(x, float))
+
+
 def _check_bounds(value: Any, bounds: dict[str, float]) -> bool:
     items = value if isinstance(value, list) else [value]
     for x in items:
@@ -209,6 +223,8 @@ def validate(config: Any) -> None:
         ok, converted = _coerce(value, tp)
         if not ok:
             raise ConfigError(f.name, value, f"expected {_describe(tp)}")
+        if not _finite(converted):
+            raise ConfigError(f.name, value, "must be a finite number (not inf or nan)")
         if converted is not value:
             object.__setattr__(config, f.name, converted)
         if converted is None:
@@ -351,6 +367,13 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return _MISSING if factory is _MISSING else factory()
 
 
+def negated_help(f: dataclasses.Field[Any]) -> str:
+    """The help of a boolean's `--no-` flag: its `off_help`, else generated from the help
+    that says what the option does when on, so the two can never contradict each other."""
+    meta = f.metadata
+    return meta.get("off_help") or f"turn off (on by default): {meta.get('help', '')}"
+
+
 def _scalar_parser(tp: Any) -> Callable[[str], Any] | None:
     inner, nullable = _optional(tp)
     if typing.get_origin(inner) is Literal:
@@ -391,6 +414,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                 "_", "-"
             )
             action = "store_false" if default is True else "store_true"
+            if default is True:
+                kwargs["help"] = negated_help(f).replace("%", "%%")
             parser.add_argument(flag, action=action, default=default, **kwargs)
             continue
         if typing.get_origin(inner) is list:

@@ -114,3 +114,111 @@ def test_the_console_script_prints_one_line_and_exits_2(tmp_path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"flashdraft export: error: {missing} is neither")
+
+
+# -- every command's options, as generated from its config ------------------------------------
+
+
+def _command_parsers(monkeypatch) -> list[tuple[str, argparse.ArgumentParser, type]]:
+    """(name, parser, config class) of every command, the class seen as the command's
+    `add_arguments` hands it to `flashdraft.config.add_arguments`."""
+    import importlib
+
+    from flashdraft import config as cfg
+
+    seen: list[type] = []
+    generate = cfg.add_arguments
+
+    def recording(parser: argparse.ArgumentParser, cls: type) -> None:
+        seen.append(cls)
+        generate(parser, cls)
+
+    monkeypatch.setattr(cfg, "add_arguments", recording)
+    out = []
+    for name, (module_name, _) in cli.COMMANDS.items():
+        seen.clear()
+        parser = argparse.ArgumentParser(prog=f"flashdraft {name}")
+        importlib.import_module(module_name).add_arguments(parser)
+        assert len(seen) == 1, name
+        out.append((name, parser, seen[0]))
+    return out
+
+
+def _fields(cls: type) -> dict[str, object]:
+    from flashdraft import config as cfg
+
+    return {f.name: (f, tp) for _, f, tp in cfg._flat_fields(cls)}
+
+
+def test_every_no_flag_is_the_negation_of_its_field(monkeypatch) -> None:
+    """A `--no-X` flag turns its field off, and its help is the negation of the field's help
+    (which says what on does), never that positive text: `--no-progress`, `--no-reference`,
+    `--no-static-compile` once described the opposite of what they do."""
+    from flashdraft import config as cfg
+
+    checked = 0
+    for name, parser, cls in _command_parsers(monkeypatch):
+        fields = _fields(cls)
+        for action in parser._actions:
+            flags = [s for s in action.option_strings if s.startswith("--no-")]
+            if not flags:
+                continue
+            f, _ = fields[action.dest]
+            where = f"flashdraft {name} {flags[0]}"
+            assert isinstance(action, argparse._StoreFalseAction), where
+            assert action.default is True and cfg._default(f) is True, where
+            assert action.help == cfg.negated_help(f).replace("%", "%%"), where
+            assert action.help != f.metadata["help"], where
+            required = [a for a in parser._actions if a.required]
+            base = [x for a in required for x in (a.option_strings[:1] or []) + ["x"]]
+            assert getattr(parser.parse_args([*base, flags[0]]), action.dest) is False, where
+            assert getattr(parser.parse_args(base), action.dest) is True, where
+            checked += 1
+        # Every other boolean flag is off by default and turns its field on.
+        for action in parser._actions:
+            if isinstance(action, argparse._StoreTrueAction):
+                assert action.default is False, f"flashdraft {name} {action.option_strings}"
+    assert checked >= 5  # eval --no-reference / --no-compile, generate's and prepare's
+
+
+def test_a_non_finite_number_is_refused_for_every_float_option(monkeypatch) -> None:
+    """inf and nan are refused by name for every float flag of every command (a bound such as
+    >= 0 lets inf through; nan fails every comparison silently)."""
+    import typing
+
+    from flashdraft import config as cfg
+
+    checked = 0
+    for _name, parser, cls in _command_parsers(monkeypatch):
+        fields = _fields(cls)
+        required = [a for a in parser._actions if a.required]
+        base = [x for a in required for x in (a.option_strings[:1] or []) + ["x"]]
+        for action in parser._actions:
+            if action.dest not in fields or not action.option_strings:
+                continue
+            _, tp = fields[action.dest]
+            inner, _ = cfg._optional(tp)
+            if typing.get_origin(inner) is list:
+                (inner,) = typing.get_args(inner)
+            if inner is not float:
+                continue
+            for text in ("inf", "nan", "-inf"):
+                args = parser.parse_args([*base, f"{action.option_strings[0]}={text}"])
+                with pytest.raises(ValueError, match=r"not allowed: must be a finite number"):
+                    cfg.from_args(cls, args)
+            checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_non_finite_run_config_value_is_one_line_naming_the_key(tmp_path, value) -> None:
+    from flashdraft.train.config import load_run_config
+    from flashdraft.train.presets import RunSource
+
+    with pytest.raises(ValueError, match=rf"^optim\.lr = {value} is not allowed: must be a finite"):
+        RunSource(preset="smollm2-demo", overrides=[f"optim.lr={value}"]).load()
+    source = RunSource(preset="smollm2-demo").load().to_dict()
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[optim]\nlr = {value}\n[target]\npath = "t"\n[data]\ndatasets = ["d"]\n')
+    with pytest.raises(ValueError, match=r"^optim\.lr = .* must be a finite number"):
+        load_run_config(str(toml), [f"output={source['output']!r}"])

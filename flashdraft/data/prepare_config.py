@@ -90,7 +90,9 @@ class PrepareConfig:
     overwrite: bool = option(
         False, help="replace a dataset prepared in --output with other settings or inputs"
     )
-    progress: bool = option(True, help="progress bar on standard error (--no-progress: none)")
+    progress: bool = option(
+        True, help="a progress bar on standard error", off_help="no progress bar"
+    )
     thresholds: Thresholds = field(default_factory=Thresholds)  # recorded whole
 
     def __post_init__(self) -> None:

@@ -45,6 +45,7 @@ from flashdraft.eval.speculative import Decoder, DecodeResult, Sampler, decode, 
 from flashdraft.log import get_logger
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.head import TargetHead
+from flashdraft.model.hybrid import is_hybrid
 from flashdraft.model.static import StaticLM, unsupported_reason
 from flashdraft.model.target import LayerTaps, decoder_layers, load_target
 
@@ -78,8 +79,8 @@ class EvalConfig:
     attn_implementation: str = option("sdpa", help="the target's HF attention implementation")
     reference: bool = option(
         True,
-        help="the target-alone run (B = 1) for the lossless check and the speedup: "
-        "--no-reference skips it",
+        help="run the target alone (B = 1) for the lossless check and the speedup",
+        off_help="skip the target-alone run (B = 1): no lossless check, no speedup",
     )
     decoder: Decoders = option(
         "auto",
@@ -91,7 +92,8 @@ class EvalConfig:
     compile: bool = option(
         True,
         help="static decoder on CUDA: torch.compile the target's step before capturing it "
-        "(~30 s per block size, once; --no-compile: graphs of eager kernels)",
+        "(~30 s per block size, once)",
+        off_help="static decoder on CUDA: capture graphs of eager kernels, no torch.compile",
         tags=REPORT,
     )
 
@@ -171,7 +173,14 @@ class _Loop:
 
     def info(self, speculative: bool) -> dict[str, Any]:
         """How the speculative or the B = 1 loop runs, for the report."""
-        return self._static(speculative).info if self.max_len is not None else dict(HF_LOOP)
+        if self.max_len is not None:
+            return self._static(speculative).info
+        info = dict(HF_LOOP)
+        if is_hybrid(self.target.config):  # LinearStateRollback: re-run after a rejection
+            info["linear_states"] = "HF cache" + (
+                ", re-run after rejections" if speculative else ""
+            )
+        return info
 
     def use_static(self, max_len: int, compile_backend: str | None) -> None:
         """Run the static loops from now on: one target cache of `max_len` slots with the
