@@ -44,6 +44,7 @@ from flashdraft.eval.report import (
 from flashdraft.eval.speculative import Decoder, DecodeResult, Sampler, decode, eos_token_ids
 from flashdraft.log import get_logger
 from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.fp8 import precision_of
 from flashdraft.model.head import TargetHead
 from flashdraft.model.hybrid import is_hybrid
 from flashdraft.model.static import StaticLM, unsupported_reason
@@ -76,6 +77,12 @@ class EvalConfig:
         "auto", help="target and drafter dtype (auto: bfloat16 on CUDA, float32 on CPU)"
     )
     device: str | None = option(None, help="default: cuda if available, else cpu")
+    precision: Literal["bf16", "fp8"] = option(
+        "bf16",
+        help="the target's linear layers: bf16 (in --dtype) or fp8 (float8 weights and "
+        "per-token activations, as FP8 servers run it; CUDA sm_89+, emulated on the CPU)",
+        tags=REPORT,
+    )
     attn_implementation: str = option("sdpa", help="the target's HF attention implementation")
     reference: bool = option(
         True,
@@ -350,6 +357,7 @@ def evaluate_drafter(
         "device_name": device_name(loop.device),
         "machine": machine_id(),
         "target_dtype": str(target_dtype).removeprefix("torch."),
+        "target_precision": precision_of(target),
         "drafter_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
     }
     return report
@@ -359,13 +367,14 @@ def evaluate_drafter(
 
 
 def load_eval_target(config: EvalConfig) -> tuple[nn.Module, Any]:
-    """(the frozen target on `config.device` in `config.dtype`, its tokenizer)."""
+    """(the frozen target on `config.device` in `config.dtype` and `config.precision`, its
+    tokenizer)."""
     # transformers is heavy: imported when a model is loaded, not with the package.
     from transformers import AutoTokenizer
 
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(config.dtype, device.type)
-    target = load_target(config.target, dtype, config.attn_implementation, device)
+    target = load_target(config.target, dtype, config.attn_implementation, device, config.precision)
     return target, AutoTokenizer.from_pretrained(config.target)
 
 

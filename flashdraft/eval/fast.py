@@ -148,17 +148,25 @@ class StaticDecoder:
         self._offsets = torch.arange(block_size, **long)
         if drafter is not None and block_size > 1:
             self._init_drafter(drafter)
+        # A hybrid's verify keeps what rebuilds its linear layers' states after any accepted
+        # prefix (`StaticLM.commit`): buffers allocated now, outside any capture.
+        self._keep = self.lm.hybrid and block_size > 1
+        if self._keep:
+            self.lm.prepare_verify(block_size)
 
     @property
     def info(self) -> dict[str, Any]:
         """How this loop runs, for the report."""
-        return {
+        info = {
             "decoder": "static",
             "graphs": self.graphs,
             "compiled": self.compile_backend is not None,
             "drafter_compiled": self._draft_step != self._draft,
             "batch_size": 1,
         }
+        if self.lm.hybrid:
+            info["linear_states"] = "static" + (", exact rollback" if self._keep else "")
+        return info
 
     # ---- the drafter's side: a static context cache and its mask ----
 
@@ -271,8 +279,11 @@ class StaticDecoder:
         drafts, draft_logits = self.bonus[:0], None
         if speculative:
             drafts, draft_logits = self._draft_step(positions)
-        logits, taps = self._forward(torch.cat([self.bonus, drafts])[None], positions)
+        block = torch.cat([self.bonus, drafts])[None]
+        logits, taps = self._forward(block, positions, keep=self._keep)
         accepted, next_token = self._accept(drafts, draft_logits, logits[0], positions)
+        if self._keep:  # the linear layers' states after bonus + the accepted drafts
+            self.lm.commit(accepted.view(1))
         if speculative:
             assert taps is not None
             self._extend_step(taps, positions)
@@ -290,7 +301,9 @@ class StaticDecoder:
         def positions() -> Tensor:
             return (self.start + self._offsets)[None]
 
-        out: dict[str, Callable[[], object]] = {"verify": lambda: self._forward(block, positions())}
+        out: dict[str, Callable[[], object]] = {
+            "verify": lambda: self._forward(block, positions(), keep=self._keep)
+        }
         if self.block > 1:
             out["draft"] = lambda: self._draft_step(positions())
         return out
@@ -330,6 +343,7 @@ class StaticDecoder:
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device)[None]
         last = torch.full((1,), n - 1, device=self.device)
+        self.lm.reset_states()  # a hybrid's linear layers start from nothing
         logits, taps = self.lm(ids, positions, kv_len=n, logits_at=last)
         scores = logits[:, 0].float()
         if self.temperature > 0:

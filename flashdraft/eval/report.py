@@ -249,6 +249,8 @@ def describe_loop(loop: dict[str, Any]) -> str:
     if loop.get("graphs"):
         words.append("CUDA graphs")
     words.append(f"batch {loop.get('batch_size', 1)}")
+    if loop.get("linear_states"):  # a hybrid target: how its recurrent states were kept
+        words.append(f"linear-attention states: {loop['linear_states']}")
     return ", ".join(words)
 
 

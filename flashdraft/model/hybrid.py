@@ -153,6 +153,22 @@ class VarlenKernels:
     rule: RuleFn
 
 
+def gated_delta_net_project(m: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A Gated DeltaNet module's input projections of x [R, n, H] -> (q/k/v before the
+    convolution [R, n, C], z [R, n, nv, dv], b, a [R, n, nv]), for both layouts."""
+    r, n, _ = x.shape
+    if hasattr(m, "in_proj_qkv"):  # qwen3_5, qwen3_5_moe: separate projections
+        mixed = m.in_proj_qkv(x)
+        z = m.in_proj_z(x).reshape(r, n, -1, m.head_v_dim)
+        b, a = m.in_proj_b(x), m.in_proj_a(x)
+    else:  # qwen3_next: fused projections, grouped by key head
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
+        mixed = torch.cat([t.reshape(r, n, -1) for t in (q, k, v)], dim=-1)
+        z = z.reshape(r, n, -1, m.head_v_dim)
+        b, a = b.reshape(r, n, -1), a.reshape(r, n, -1)
+    return mixed, z, b, a
+
+
 def gated_delta_net_varlen(
     module: nn.Module, x: Tensor, segments: Segments, kernels: VarlenKernels
 ) -> Tensor:
@@ -161,13 +177,7 @@ def gated_delta_net_varlen(
     without a cache, with the convolution and the delta rule per segment."""
     m: Any = module
     n = x.shape[1]
-    if hasattr(m, "in_proj_qkv"):  # qwen3_5, qwen3_5_moe: separate projections
-        mixed = m.in_proj_qkv(x)
-        z = m.in_proj_z(x).reshape(1, n, -1, m.head_v_dim)
-        b, a = m.in_proj_b(x), m.in_proj_a(x)
-    else:  # qwen3_next: fused projections, grouped by key head
-        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x), m.in_proj_ba(x))
-        mixed = torch.cat([t.reshape(1, n, -1) for t in (q, k, v)], dim=-1)
+    mixed, z, b, a = gated_delta_net_project(m, x)
     if m.conv1d.bias is not None:
         raise ValueError("a Gated DeltaNet convolution with a bias is not supported")
     mixed = kernels.conv(mixed, m.conv1d.weight.squeeze(1), m.activation, segments)

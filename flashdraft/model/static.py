@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flashdraft.model import static_layers, varlen
+from flashdraft.model import static_hybrid, static_layers, varlen
+from flashdraft.model.hybrid import LINEAR_ATTENTION, layer_types
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -56,8 +57,13 @@ def unsupported_reason(model: Any) -> str | None:
         return f"{type(model).__name__} has no HF config"
     text = config.get_text_config()
     kind = getattr(text, "model_type", None)
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "sharded (DTensor) parameters"
+    if kind in static_hybrid.HYBRID_MODEL_TYPES:
+        return static_hybrid.unsupported_reason(model)
     if kind not in SUPPORTED_MODEL_TYPES:
-        return f"model type {kind!r} (static decoding knows {', '.join(SUPPORTED_MODEL_TYPES)})"
+        known = (*SUPPORTED_MODEL_TYPES, "qwen3_5", "qwen3_5_moe", "qwen3_next")
+        return f"model type {kind!r} (static decoding knows {', '.join(known)})"
     layer_types = getattr(text, "layer_types", None) or []
     odd = sorted(set(layer_types) - set(LAYER_TYPES))
     if odd:
@@ -81,15 +87,16 @@ def unsupported_reason(model: Any) -> str | None:
             getattr(attn, p, None) is None for p in _ATTENTION_PARTS
         ):
             return f"a decoder layer ({type(layer).__name__}) of an unknown layout"
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        return "sharded (DTensor) parameters"
     return None
 
 
 def _window(layer: nn.Module, text: Any) -> int | None:
     """The sliding window of one layer as HF applies it: Qwen2/Qwen3 attention modules carry
-    their own (None on full layers); Mistral applies `config.sliding_window` everywhere."""
-    attn: Any = layer.self_attn
+    their own (None on full layers); Mistral applies `config.sliding_window` everywhere.
+    A hybrid's layers attend to everything they attend to (its linear layers: None too)."""
+    attn: Any = getattr(layer, "self_attn", None)
+    if attn is None or text.model_type in static_hybrid.HYBRID_MODEL_TYPES:
+        return None
     if hasattr(attn, "sliding_window"):
         window = attn.sliding_window
     else:
@@ -152,7 +159,14 @@ class StaticLM:
             raise ValueError(f"tap ids {bad}: the target has {len(self.layers)} layers")
         self.tap_ids = list(tap_ids)
         self.windows = [_window(layer, text) for layer in self.layers]
-        attn = self.layers[0].self_attn
+        # hybrid targets: gated attention layers, and Gated DeltaNet layers whose states live
+        # in `conv` / `state` (static_hybrid)
+        self.hybrid = text.model_type in static_hybrid.HYBRID_MODEL_TYPES
+        kinds = layer_types(text) if self.hybrid else ["full_attention"] * len(self.layers)
+        self.linear = [kind == LINEAR_ATTENTION for kind in kinds]
+        attn = next(
+            layer.self_attn for layer, lin in zip(self.layers, self.linear, strict=True) if not lin
+        )
         self.num_heads, self.num_kv_heads = text.num_attention_heads, text.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.hidden_size = text.hidden_size
@@ -160,8 +174,21 @@ class StaticLM:
         self.device, self.dtype = parameter.device, dtype or parameter.dtype
         self.rows, self.max_len = rows, max_len
         shape = (rows, self.num_kv_heads, max_len, self.head_dim)
-        self.keys = [self._zeros(shape) for _ in self.layers]
-        self.values = [self._zeros(shape) for _ in self.layers]
+        empty = (0,)
+        self.keys = [self._zeros(empty if lin else shape) for lin in self.linear]
+        self.values = [self._zeros(empty if lin else shape) for lin in self.linear]
+        self.conv: list[Tensor] = []  # per linear layer: [R, C, K-1], the kept conv inputs
+        self.state: list[Tensor] = []  # per linear layer: [R, nv, dk, dv] fp32, the delta rule's
+        for layer, lin in zip(self.layers, self.linear, strict=True):
+            if lin:
+                m = layer.linear_attn
+                width = m.conv1d.weight.shape[-1] - 1
+                self.conv.append(self._zeros((rows, m.conv_dim, width)))
+                size = (rows, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+                self.state.append(torch.zeros(size, dtype=torch.float32, device=self.device))
+        # what a verify (`keep=True`) leaves for `commit`, per linear layer (allocated for the
+        # verify's length on first use)
+        self._pending: list[list[Tensor]] = []
         self._slots = torch.arange(max_len, device=self.device)
         if attention not in ATTENTIONS:
             raise ValueError(f"attention {attention!r}: one of {', '.join(ATTENTIONS)}")
@@ -177,6 +204,12 @@ class StaticLM:
             static_layers.finish,
         )
         self._prefill_parts: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        # a hybrid's parts: a linear layer's step, a gated attention layer's two halves
+        self._hybrid_parts: tuple[Callable[..., Any], ...] = (
+            static_hybrid.linear_step,
+            static_hybrid.gated_project,
+            static_hybrid.gated_finish,
+        )
         self._fused: list[static_layers.Fused | None] = [None] * len(self.layers)
         # index_put_ coordinates of a call of every row (`static_layers.write_cache`)
         self._row_ids = torch.arange(rows, device=self.device)[:, None, None]
@@ -207,7 +240,45 @@ class StaticLM:
 
     @property
     def cache_bytes(self) -> int:
-        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+        states = [*self.keys, *self.values, *self.conv, *self.state]
+        return sum(t.numel() * t.element_size() for t in states)
+
+    # ---- a hybrid's linear-layer states (no-ops for a dense target) ----
+
+    def reset_states(self, rows: Tensor | None = None) -> None:
+        """Zero the linear layers' states of `rows` (all: None): prompts start from nothing."""
+        for t in (*self.conv, *self.state):
+            if rows is None:
+                t.zero_()
+            else:
+                t[rows] = 0
+
+    def _pending_for(self, n: int) -> list[list[Tensor]]:
+        """The verify buffers for calls of n tokens (window, k, u, G, M per linear layer)."""
+        if self._pending and self._pending[0][2].shape[2] == n:
+            return self._pending
+        self._pending = []
+        for conv, state in zip(self.conv, self.state, strict=True):
+            r, c, width = conv.shape
+            _, nv, dk, dv = state.shape
+            f32 = dict(dtype=torch.float32, device=self.device)
+            self._pending.append([
+                self._zeros((r, c, width + n)), torch.zeros(r, nv, n, dk, **f32),
+                torch.zeros(r, nv, n, dv, **f32), torch.zeros(r, nv, n, **f32),
+                torch.zeros(r, nv, n, n, **f32),
+            ])  # fmt: skip
+        return self._pending
+
+    def prepare_verify(self, n: int) -> None:
+        """Allocate the buffers of `keep=True` calls of n tokens now (before a graph capture)."""
+        if self.hybrid:
+            self._pending_for(n)
+
+    def commit(self, accepted: Tensor) -> None:
+        """After a `keep=True` call: keep every linear layer's state after token accepted[r]
+        (0-based, [R]) of that call, exactly as if only those tokens had been fed."""
+        for conv, state, pending in zip(self.conv, self.state, self._pending, strict=True):
+            static_hybrid.commit(conv, state, pending, accepted)
 
     def _masks(self, positions: Tensor, kv_len: int) -> dict[int | None, Tensor]:
         """Visibility [R, 1, G*n, kv_len] (True = attend), one per distinct window: slot j is
@@ -326,6 +397,11 @@ class StaticLM:
         more with it symbolic, and that graph serves the rest. Eager, a 22 x 700
         SmolLM2-135M prefill spent ~15 of its 25 ms of GPU time in unfused elementwise
         kernels (norms, RoPE, SiLU; `bench/prefill_profile.py` shows where it goes)."""
+        if self.hybrid:  # one graph per part and kind of layer; prefill stays eager
+            self._hybrid_parts = tuple(
+                torch.compile(part, backend=backend, dynamic=False) for part in self._hybrid_parts
+            )
+            return
         self._decode_parts = (
             torch.compile(static_layers.project_into_cache, backend=backend, dynamic=False),
             torch.compile(static_layers.finish, backend=backend, dynamic=False),
@@ -344,7 +420,7 @@ class StaticLM:
         rounding. The copies are taken now: for a frozen target (generation); a model whose
         weights change later (a drafter's in-training eval of a target being tuned) must not
         be fused."""
-        if not all(static_layers.fusable(layer) for layer in self.layers):
+        if self.hybrid or not all(static_layers.fusable(layer) for layer in self.layers):
             return False
         size = 0
         for layer in self.layers:
@@ -376,6 +452,7 @@ class StaticLM:
         kv_len: int | None = None,
         logits_at: Tensor | None = None,
         fresh: bool = False,
+        keep: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """ids, positions [R, n] (R = rows of the cache, or len(rows) when given).
 
@@ -386,8 +463,16 @@ class StaticLM:
         attention runs within the call, causal, on SDPA's flash kernels instead of reading
         the cache through a dense mask (sliding layers whose window is shorter than n keep
         the mask). What a padding position computes is never read (the cache invariant).
+
+        A hybrid's linear layers continue from their kept states (`fresh`: from zero, the
+        rows' states reset first). keep (every row, a verify): their states are left as they
+        were, and `commit` then keeps those after the accepted tokens; otherwise a call of
+        every row's next token updates them, and any other call (a prefill) keeps those after
+        each row's last real token (logits_at, else the last).
         """
         kv_len = kv_len or self.max_len
+        if self.hybrid:
+            return self._hybrid_call(ids, positions, rows, kv_len, logits_at, fresh, keep)
         r, n = ids.shape
         # The compiled prefill parts take the call's tokens as one row
         # (`static_layers.prefill_project`).
@@ -449,6 +534,69 @@ class StaticLM:
         tapped = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else None
         return logits, tapped
 
+    def _hybrid_call(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        rows: Tensor | None,
+        kv_len: int,
+        logits_at: Tensor | None,
+        fresh: bool,
+        keep: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`__call__` for a hybrid target (`flashdraft.model.static_hybrid`)."""
+        r, n = ids.shape
+        x = self.embed(ids)
+        rope = self.rotary(x, positions)  # cos, sin [R, n, rotated dims]
+        mask: Any
+        if fresh:
+            mask = None  # causal within the call
+            self.reset_states(rows)
+        elif self.attention == "flex" and rows is None and n == 1:
+            mask = self._block_masks(positions, kv_len)[None]
+        elif self._flash_starts is not None and rows is None and n == 1:
+            mask = varlen.OwnSlots(self._flash_starts, positions, self.num_kv_heads)
+        else:
+            mask = self._masks(positions, kv_len)[None]
+        step = rows is None and not fresh and (n == 1 or keep)  # static shapes: graph-safe
+        pending = self._pending_for(n) if keep else None
+        if step:
+            lengths = None
+        elif logits_at is not None:
+            lengths = logits_at + 1
+        else:
+            lengths = torch.full((r,), n, dtype=torch.long, device=ids.device)
+        linear_step, project, finish = self._hybrid_parts
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        wanted = set(self.tap_ids)
+        taps: dict[int, Tensor] = {}
+        j = 0  # linear layers seen
+        for i, layer in enumerate(self.layers):
+            if self.linear[i]:
+                conv, state = self.conv[j], self.state[j]
+                if lengths is None:
+                    x = linear_step(layer, x, conv, state, None if pending is None else pending[j])
+                else:
+                    c0, s0 = (conv, state) if rows is None else (conv[rows], state[rows])
+                    x, c1, s1 = static_hybrid.linear_prefill(layer, x, c0, s0, lengths)
+                    if rows is None:
+                        conv.copy_(c1)
+                        state.copy_(s1)
+                    else:
+                        conv[rows], state[rows] = c1, s1
+                j += 1
+            else:
+                q, k, v, gate = project(layer, x, rope, shape)
+                out = self._attention(i, q, k, v, positions, mask, rows, kv_len)
+                x = finish(layer, x, out, gate)
+            if i in wanted:  # the output of decoder layer i (docs/design.md §3)
+                taps[i] = x
+        if logits_at is not None:
+            x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
+        logits = self.lm_head(self.norm(x))
+        tapped = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else None
+        return logits, tapped
+
     @torch.no_grad()
     def verify(self, length: int = 12) -> None:
         """Start-up check: logits and taps equal an HF forward of the same tokens (relative
@@ -459,7 +607,7 @@ class StaticLM:
         ids = torch.randint(0, vocab, (1, length), generator=generator).to(self.device)
         positions = torch.arange(length, device=self.device)[None]
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
-        logits, taps = self(ids, positions, rows=rows, kv_len=length)
+        logits, taps = self(ids, positions, rows=rows, kv_len=length, fresh=self.hybrid)
         ref = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         pairs = [("logits", logits, ref.logits)]
