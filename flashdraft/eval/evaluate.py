@@ -80,8 +80,8 @@ class EvalConfig:
     precision: Literal["bf16", "fp8"] = option(
         "bf16",
         help="the target's linear layers: bf16 (in --dtype) or fp8 (float8 weights and "
-        "per-token activations, as FP8 servers run it; CUDA sm_89+, emulated on the CPU)",
-        tags=REPORT,
+        "per-token activations, as FP8 servers run it; CUDA sm_89+, emulated on the CPU); "
+        "the report's settings say which ran (target_precision)",
     )
     attn_implementation: str = option("sdpa", help="the target's HF attention implementation")
     reference: bool = option(

@@ -34,6 +34,13 @@ class TargetSection:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
         "auto", help="auto: bfloat16 on CUDA, float32 on CPU"
     )
+    precision: Literal["bf16", "fp8"] = option(
+        "bf16",
+        help="the decoder layers' linear layers: bf16, in target.dtype as loaded; fp8, "
+        "float8 weights (per-channel scales) and activations (per-token scales), as FP8 "
+        "servers run the target: taps and labels come from that forward (CUDA sm_89+; the "
+        "CPU emulates it); docs/speed.md",
+    )
     attn_implementation: str | None = option(
         None,
         help="None: on CUDA 'varlen' for full-attention targets the flash kernel serves, else "
@@ -327,6 +334,14 @@ class RunConfig:
                 rows,
                 f"must be a multiple of optim.grad_accum ({accum}): the target runs ahead over "
                 "whole steps",
+            )
+        if self.target.precision == "fp8" and self.parallel.shard_target:
+            raise cfg.ConfigError(
+                "target.precision",
+                "fp8",
+                "not with parallel.shard_target (FSDP2 gathers the target's weights in its "
+                "dtype, not float8): set parallel.shard_target = false or target.precision = "
+                "'bf16'",
             )
         if self.optim.optimizer == "muon" and self.parallel.drafter_sharding == "fsdp":
             # Newton-Schulz needs each whole matrix; on FSDP2's shards it would need

@@ -35,6 +35,7 @@ from flashdraft.model.target import (
     decoder_layers,
     default_attention,
     load_target,
+    set_precision,
 )
 from flashdraft.train.blocks import data_next_tokens, mix_argmax
 from flashdraft.train.config import LossSection
@@ -215,7 +216,8 @@ def draft_batch(
 
 
 def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -> Target:
-    """The run's target on this rank with its taps checked; its decoder layers sharded over
+    """The run's target on this rank with its taps checked; its linear layers in
+    `target.precision` (`set_precision`: fp8 converts them); its decoder layers sharded over
     every rank when `parallel.shard_target` (FSDP2); its packed forward compiled on CUDA
     unless `target.compile = false` (`compile_target`). `target_model` may be passed in
     already built (benchmarks, tests)."""
@@ -230,6 +232,7 @@ def load_run_target(plan: RunPlan, backend: Backend, target_model: Any = None) -
         if sharded:
             shard_target(decoder_layers(target_model))
             target_model.to(device)
+    set_precision(target_model, config.target.precision)  # as loaded, or FP8 linear layers
     target = Target(target_model, plan.drafter_config.target_layer_ids, backend, sharded=sharded)
     target.verify_taps()
     if config.target.compile and device.type == "cuda":

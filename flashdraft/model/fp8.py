@@ -1,0 +1,210 @@
+"""The frozen target's linear layers in FP8 (`target.precision = "fp8"`, eval and generate
+`--precision fp8`): the target as an FP8 server runs it, for taps and labels, acceptance
+measured against it, and on Hopper faster than bf16.
+
+The scheme is the "FP8 dynamic" one of served checkpoints: weights quantised once to
+float8_e4m3fn with one fp32 scale per output channel (a row of W), activations quantised at
+every call with one scale per token (a row of x); y = (x_q W_q^T) s_x s_w, the products of
+FP8 values accumulated in fp32, the result in the compute dtype. A scale is amax / 448 (the
+largest e4m3 value), so each row uses the whole FP8 range. Per token, never per tensor: a
+token's quantisation then depends on that token alone, so the packed documents of a row stay
+as independent as in bf16 (the hybrid packing check, `Target.verify_packing`) and a verify
+forward of B tokens quantises each as decoding them one at a time would.
+
+On CUDA with FP8 tensor cores (sm_89+) the product is one `torch._scaled_mm` with row-wise
+scales; on the CPU it is emulated, exactly as defined above (the FP8 values widened to fp32,
+multiplied, scaled, cast), so the CPU tests run the same quantisation.
+
+Converted: every `nn.Linear` inside the decoder layers whose two dimensions are multiples of
+16 (`_scaled_mm`'s constraint), except the hybrid layers' decay / write-strength projections
+(`KEEP`). Kept in the target dtype: the embedding and the LM head (it produces the labels),
+MoE routers and fused experts (not `nn.Linear`), everything outside the decoder layers.
+
+Shape legend: M tokens (rows of x), K input features, N output features.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from flashdraft.log import get_logger
+
+log = get_logger(__name__)
+
+Precision = Literal["bf16", "fp8"]
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# An all-zero row gets this amax: its scale stays positive and its values quantise to 0.
+AMAX_FLOOR = 1e-12
+# Hybrid targets' gate projections into the gated delta rule: the per-head decay (a) and
+# write strength (b). Their outputs (one per value head) act on the recurrent state at every
+# token, so their error compounds along a document, and they are a negligible share of the
+# FLOPs (48 outputs of 5120 inputs in Qwen3.6-27B). FP8 checkpoints leave them unquantised too.
+KEEP = ("in_proj_a", "in_proj_b", "in_proj_ba")
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]): one scale per row, amax / 448,
+    rounded to nearest (even) by the cast."""
+    wide = x.float()
+    scale = wide.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    return (wide / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+# Eager CUDA callers (hybrid targets, the decode loops) quantise through one fused kernel:
+# the ops above, run one by one, pass over x in fp32 five times, more than the FP8 GEMM saves.
+# dynamic=True: one graph for every M and K. Inside an already compiled forward the plain
+# function is traced into that graph instead (`FP8Linear.forward`).
+_quantize_rows_fused = torch.compile(quantize_rows, dynamic=True)
+
+
+def emulated_scaled_mm(
+    xq: Tensor, wq: Tensor, x_scale: Tensor, w_scale: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """What `torch._scaled_mm` computes, on any device: xq [M, K] and wq [N, K] FP8, scales
+    [M, 1] and [N] fp32 -> [M, N] in `dtype`. Products of e4m3 values are exact in fp32; the
+    sums are fp32 as on the tensor cores (only their order differs)."""
+    return ((xq.float() @ wq.float().t()) * x_scale * w_scale).to(dtype)
+
+
+class FP8Linear(nn.Module):
+    """An `nn.Linear` of the frozen target in FP8: weight [N, K] float8_e4m3fn, `weight_scale`
+    [N] fp32 (per output channel), activations quantised per token at every call. Not a
+    subclass of `nn.Linear` on purpose: code that reads a Linear's weight as a matrix in the
+    compute dtype (`static_layers.fusable`, which concatenates q/k/v) must not take it for
+    one. Frozen: no gradient flows through it."""
+
+    weight_scale: Tensor  # [N] fp32, a buffer
+
+    def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        assert weight.dtype == FP8 and weight_scale.shape == weight.shape[:1]
+        self.out_features, self.in_features = weight.shape
+        # A parameter (frozen) so that parameter counts (FLOPs) see it; the scale a buffer.
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
+        """The FP8 version of `linear`; its weight is read, never written."""
+        weight, scale = quantize_rows(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(weight, scale[:, 0], bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        if self.weight.is_cuda:
+            quantize = quantize_rows if torch.compiler.is_compiling() else _quantize_rows_fused
+            xq, x_scale = quantize(rows)
+            out = torch._scaled_mm(
+                xq,
+                self.weight.t(),  # [K, N], column-major as cuBLASLt wants it
+                scale_a=x_scale,
+                scale_b=self.weight_scale[None],  # [1, N]
+                out_dtype=x.dtype,
+            )
+        else:
+            xq, x_scale = quantize_rows(rows)
+            out = emulated_scaled_mm(xq, self.weight, x_scale, self.weight_scale, x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """The weight the FP8 one stands for, [N, K] fp32 (tests, error bounds)."""
+        return self.weight.float() * self.weight_scale[:, None]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, float8_e4m3fn, per-channel weight scales, "
+            "per-token activation scales"
+        )
+
+
+def convertible(name: str, module: nn.Module) -> bool:
+    """Whether a module of a decoder layer (`name` relative to the layer) runs in FP8."""
+    if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in KEEP:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def fp8_linear_names(layers: nn.ModuleList) -> list[str]:
+    """The linear layers `quantize_linears` converts, named relative to the layer list."""
+    return [
+        f"{i}.{name}"
+        for i, layer in enumerate(layers)
+        for name, module in layer.named_modules()
+        if convertible(name, module)
+    ]
+
+
+def quantize_linears(layers: nn.ModuleList) -> int:
+    """Replace the convertible linear layers of `layers` by `FP8Linear`s, in place, one at a
+    time (each bf16 weight is freed as its FP8 copy is made, when nothing else holds it).
+    Returns how many were converted; already converted ones are skipped (idempotent)."""
+    count = 0
+    for name in fp8_linear_names(layers):
+        parent_name, _, child = name.rpartition(".")
+        parent = layers.get_submodule(parent_name)
+        setattr(parent, child, FP8Linear.from_linear(getattr(parent, child)))
+        count += 1
+    return count
+
+
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why this device cannot run the FP8 target (None: it can; the CPU emulates it)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"no FP8 path on {device.type} (CUDA sm_89+, or the CPU's emulation)"
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if (major, minor) < (8, 9):
+        return f"{name} (sm_{major}{minor}) has no FP8 tensor cores (Ada, Hopper or newer: sm_89+)"
+    try:  # row-wise scales need a recent torch and cuBLASLt; a 16 x 16 product says
+        probe = torch.ones(16, 16, device=device, dtype=FP8)
+        one = torch.ones(16, 1, device=device)
+        torch._scaled_mm(probe, probe.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
+    except RuntimeError as err:
+        said = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"torch {torch.__version__}'s _scaled_mm refuses row-wise scales on {name}: {said}"
+    return None
+
+
+def apply_precision(model: nn.Module, precision: str, layers: nn.ModuleList) -> int:
+    """Run the target's `layers` (its decoder layers) in `precision`: "bf16" leaves the model
+    as loaded (its linear layers in its dtype); "fp8" converts them (`quantize_linears`).
+    ValueError, one line, where this device or dtype cannot. Returns how many were converted."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if precision == "bf16":
+        return 0
+    first = next(p for p in layers.parameters() if p.dtype != FP8)
+    device, dtype = first.device, first.dtype
+    why = fp8_refusal(device)
+    if why is None and device.type == "cuda" and dtype != torch.bfloat16:
+        why = f"on CUDA the target runs FP8 with dtype bfloat16 (auto), not {dtype}"
+    if why is not None:
+        raise ValueError(f"precision 'fp8': {why}; use precision 'bf16' here")
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    count = quantize_linears(layers)
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    if count:
+        how = "emulated on the CPU" if device.type == "cpu" else "torch._scaled_mm"
+        log.info(
+            f"target in FP8: {count} linear layers (e4m3, per-channel weight and per-token "
+            f"activation scales, {how}); weights {before / 2**30:.2f} -> {after / 2**30:.2f} GiB"
+        )
+    return count
+
+
+def precision_of(model: nn.Module) -> str:
+    """ "fp8" when any of the model's linear layers is an `FP8Linear`, else "bf16" (the
+    linear layers in the model's dtype), for reports and recorded configs."""
+    return "fp8" if any(isinstance(m, FP8Linear) for m in model.modules()) else "bf16"
