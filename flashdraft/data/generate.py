@@ -49,6 +49,7 @@ from flashdraft.data.inference import (
 from flashdraft.data.jobs import BadInput, Job, batch_seed, jobs_from_record, plan_batches, shard_of
 from flashdraft.data.output_log import OutputLog, make_record, rejected_url
 from flashdraft.log import get_logger
+from flashdraft.model.hub import model_errors
 
 log = get_logger(__name__)
 
@@ -227,7 +228,8 @@ def read_jobs(config: GenerateConfig, done: set[str], summary: Summary) -> Itera
 def load_chat_tokenizer(target: str, thinking: bool) -> Any:
     """The target's tokenizer, which must have a chat template (warns when `thinking` is
     asked of a template without the switch)."""
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    with model_errors(target, "--target"):
+        tokenizer = AutoTokenizer.from_pretrained(target)
     template = tokenizer.chat_template or ""
     if not template:
         raise ValueError(f"the tokenizer of {target} has no chat template")

@@ -46,6 +46,7 @@ from flashdraft.log import get_logger
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.fp8 import precision_of
 from flashdraft.model.head import TargetHead
+from flashdraft.model.hub import check_model_path
 from flashdraft.model.hybrid import is_hybrid
 from flashdraft.model.static import StaticLM, unsupported_reason
 from flashdraft.model.target import LayerTaps, decoder_layers, load_target
@@ -374,6 +375,7 @@ def load_eval_target(config: EvalConfig) -> tuple[nn.Module, Any]:
 
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(config.dtype, device.type)
+    check_model_path(config.target, "--target")
     target = load_target(config.target, dtype, config.attn_implementation, device, config.precision)
     return target, AutoTokenizer.from_pretrained(config.target)
 

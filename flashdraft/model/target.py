@@ -28,6 +28,7 @@ from flashdraft.model import varlen
 from flashdraft.model.attention import Backend, build_document_mask
 from flashdraft.model.fp8 import apply_precision, precision_of
 from flashdraft.model.head import TargetHead
+from flashdraft.model.hub import model_errors
 from flashdraft.model.hybrid import (
     PackedLinearAttention,
     VarlenKernels,
@@ -106,12 +107,13 @@ def load_target(
 
     if dtype not in DTYPES:
         raise ValueError(f"target dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=DTYPES[dtype],
-        attn_implementation=attn_implementation,
-        trust_remote_code=False,
-    )
+    with model_errors(path):
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            trust_remote_code=False,
+        )
     model.eval().requires_grad_(False)
     model = model.to(device)
     set_precision(model, precision)

@@ -26,6 +26,7 @@ from flashdraft.export import load_dflash
 from flashdraft.log import get_logger
 from flashdraft.model.config import DrafterConfig, choose_mask_token_id, text_config
 from flashdraft.model.drafter import DFlashDrafter, init_seeded
+from flashdraft.model.hub import model_errors
 from flashdraft.train.checkpoint import latest_checkpoint, set_aside, usable_checkpoint
 from flashdraft.train.config import LEGACY_RUN_CONFIG, RUN_CONFIG, RunConfig, resume_changes
 from flashdraft.train.packing import RowStream
@@ -40,7 +41,8 @@ def load_target_config(path: str) -> Any:
     """The target's HF config (no weights read)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with model_errors(path, "target.path"):
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def build_drafter_config(config: RunConfig, target_config: Any) -> tuple[DrafterConfig, str]:
