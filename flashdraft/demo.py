@@ -301,7 +301,7 @@ def _demo(config: DemoConfig, cuda: bool) -> int:
         evaluate(untrained, out / "eval_untrained.json")
     with stage("train"):
         if not (export / "config.json").exists():
-            train(run, resume=(run_dir / "checkpoints").exists())
+            train(run, resume="auto")
             (out / "eval_trained.json").unlink(missing_ok=True)  # a new drafter: evaluate again
     with stage("eval trained"):
         evaluate(export, out / "eval_trained.json")

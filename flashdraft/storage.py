@@ -25,6 +25,18 @@ DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".jso
 BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark
 
 
+class WriteFailed(OSError):
+    """Writing `url` failed (disk full, no permission, a store refusing): one line naming the
+    file and the reason. Callers that write several files say what the whole write was."""
+
+    def __init__(self, url: str, error: OSError) -> None:
+        super().__init__(error.errno, f"could not write {url}: {error.strerror or error}")
+        self.url, self.error = url, error
+
+    def __str__(self) -> str:
+        return str(self.args[1])
+
+
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem holding `url` and the path inside it."""
     fs, path = url_to_fs(url)
@@ -139,20 +151,37 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
 
     Local: write a temporary sibling, fsync, then rename over. Object stores: a single PUT
     is already atomic.
+
+    A write that fails (a full disk, a store refusing) raises `WriteFailed` naming the file
+    and leaves nothing behind: no temporary file, the old file (if any) unchanged.
     """
     fs, path = filesystem(url)
-    if is_local(url):
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        if is_local(url):
+            _write_local(path, data)
+        else:
+            with fs.open(path, "wb") as f:
+                f.write(data)
+    except WriteFailed:
+        raise
+    except OSError as err:
+        raise WriteFailed(url, err) from err
+
+
+def _write_local(path: str, data: bytes) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    else:
-        with fs.open(path, "wb") as f:
-            f.write(data)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_text_atomic(url: str, text: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import os
 
@@ -102,3 +103,20 @@ def test_file_digest_is_the_sha256_and_size_of_what_was_written(tmp_path) -> Non
         storage.write_bytes_atomic(url, data)
         assert storage.file_digest(url) == (hashlib.sha256(data).hexdigest(), len(data))
     assert storage.json_bytes({"a": [1]}) == b'{\n  "a": [\n    1\n  ]\n}\n'
+
+
+def test_a_write_that_fails_names_the_file_and_leaves_the_old_one_and_no_debris(
+    tmp_path, monkeypatch
+) -> None:
+    url = str(tmp_path / "a.json")
+    storage.write_json_atomic(url, {"x": 1})
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(storage.WriteFailed) as failed:
+        storage.write_json_atomic(url, {"x": 2})
+    assert str(failed.value) == f"could not write {url}: No space left on device"
+    assert failed.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == ["a.json"] and storage.read_json(url) == {"x": 1}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from flashdraft import config as cfg
+from flashdraft import storage
 from flashdraft.export import ExportConfig, check_output, save_export
 from flashdraft.log import get_logger
 from flashdraft.train.checkpoint import load_drafter
@@ -20,7 +22,13 @@ def run(args: argparse.Namespace) -> int:
     config: ExportConfig = cfg.from_args(ExportConfig, args)
     check_output(config.output, config.overwrite)  # before the drafter loads
     drafter = load_drafter(config.checkpoint)
-    save_export(drafter, config.output, config.format, config.verifier, config.overwrite)
+    try:
+        save_export(drafter, config.output, config.format, config.verifier, config.overwrite)
+    except storage.WriteFailed as err:  # a full disk: one line; nothing left to block a retry
+        if os.environ.get("FLASHDRAFT_DEBUG"):
+            raise
+        log.error(f"flashdraft export: error: {err}")
+        return 1
     geometry = drafter.config
     log.info(
         f"wrote {config.format} drafter to {config.output}: {geometry.num_hidden_layers} layers, "

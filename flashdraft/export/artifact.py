@@ -150,9 +150,24 @@ def save_export(
     if format == "speculators" and not verifier:
         raise ValueError("the speculators format needs a verifier (the target's HF id or path)")
     check_output(url, overwrite)
-    if format == "dflash":
-        save_dflash(drafter, url)
-    else:
-        assert verifier is not None
-        save_speculators(drafter, url, verifier)
+    fs, path = storage.filesystem(url)
+    fresh = not fs.exists(path) or not fs.ls(path)  # what a failed write may remove again
+    try:
+        if format == "dflash":
+            save_dflash(drafter, url)
+        else:
+            assert verifier is not None
+            save_speculators(drafter, url, verifier)
+    except storage.WriteFailed as err:
+        if fresh and fs.exists(path):  # nothing of it left to block the retry
+            fs.rm(path, recursive=True)
+        left = (
+            "nothing was left there; make room and run again"
+            if fresh
+            else "make room and run again with --overwrite"
+        )
+        raise storage.WriteFailed(
+            url,
+            OSError(err.errno, f"{err.error.strerror or err.error} ({left})"),
+        ) from err
     verify_export(drafter, url)

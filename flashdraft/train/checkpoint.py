@@ -122,16 +122,38 @@ def save_drafter(url: str, drafter: DFlashDrafter) -> None:
 # ---- verifying ----
 
 
-def _recorded_files(url: str) -> dict[str, dict[str, Any]] | None:
-    """The files `COMPLETE` records with their checksums; None for an older marker (the
-    step number as text, or empty), which records none."""
+_LEGACY_MARKER = re.compile(r"^(\d+|None)$")  # what COMPLETE held before checksums
+
+
+def _recorded_files(url: str) -> dict[str, dict[str, Any]] | str | None:
+    """The files `COMPLETE` records with their checksums; None for the marker of an older
+    version (the checkpoint's step number as text), which records none; and for a marker
+    that is neither, why it is damaged: such a checkpoint is unusable, never one whose
+    checksums go unchecked."""
     try:
-        marker = json.loads(storage.read_text(storage.join(url, COMPLETE)) or "null")
-    except ValueError:  # not JSON (or not text): no checksums to read
-        return None
-    if isinstance(marker, dict) and isinstance(marker.get("files"), dict):
+        text = storage.read_text(storage.join(url, COMPLETE))
+    except (UnicodeDecodeError, OSError):
+        return f"its {COMPLETE} marker is not text (damaged)"
+    try:
+        marker = json.loads(text)
+    except ValueError:
+        marker = None
+    if (
+        isinstance(marker, dict)
+        and isinstance(marker.get("files"), dict)
+        and all(
+            isinstance(v, dict)
+            and isinstance(v.get("sha256"), str)
+            and isinstance(v.get("size"), int)
+            for v in marker["files"].values()
+        )
+    ):
         return dict(marker["files"])
-    return None
+    legacy = _LEGACY_MARKER.match(text.strip())
+    step = _STEP_DIR.match(url.rstrip("/").rsplit("/", 1)[-1])
+    if legacy and (step is None or legacy.group(1) == str(int(step.group(1)))):
+        return None
+    return f"its {COMPLETE} marker does not parse (damaged: {text[:40]!r})"
 
 
 def _safetensors_problem(url: str) -> str | None:
@@ -180,6 +202,8 @@ def verify_checkpoint(url: str, needed: tuple[str, ...] = STATE_FILES) -> str | 
     if not storage.exists(storage.join(url, COMPLETE)):
         return f"no {COMPLETE} marker (it was cut mid-write)"
     recorded = _recorded_files(url)
+    if isinstance(recorded, str):
+        return recorded
     if recorded is None:
         log.warning(
             f"{url}: its {COMPLETE} marker has no checksums (written by an older flashdraft); "
@@ -274,6 +298,11 @@ def load_drafter(url: str, num_target_layers: int | None = None) -> DFlashDrafte
         if found is None:
             why = "; ".join(f"{u}: {p}" for u, p in skipped) or "none has a COMPLETE marker yet"
             raise FileNotFoundError(f"run {url} has no usable checkpoint ({why})")
+        step = _STEP_DIR.match(found.rstrip("/").rsplit("/", 1)[-1])
+        newer = f", not the {len(skipped)} damaged newer one(s) named above" if skipped else ""
+        log.info(
+            f"{url}: reading checkpoint step {int(step.group(1)) if step else '?'} ({found}){newer}"
+        )
         return _read_drafter(found)
     if is_export(url):
         return load_exported(url, dtype=torch.float32, num_target_layers=num_target_layers)
@@ -351,9 +380,44 @@ def save_checkpoint(
     if storage.exists(url):  # a stale attempt at this step: incomplete, or set aside
         fs, path = storage.filesystem(url)
         fs.rm(path, recursive=True)
-    storage.makedirs(url)
     config = getattr(drafter, "config", None)
     assert isinstance(config, DrafterConfig)
+    try:
+        storage.makedirs(url)
+        _write_state(url, step, model_sd, config, optim_sd, state)
+    except OSError as err:  # disk full, ...: no half checkpoint left to fill the disk
+        fs, path = storage.filesystem(url)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+        latest = latest_checkpoint(run)
+        then = (
+            f"run the same command with --resume (it goes on from {latest})"
+            if latest
+            else "run the same command again (no checkpoint of this run is complete yet)"
+        )
+        reason = err.error if isinstance(err, storage.WriteFailed) else err
+        raise storage.WriteFailed(
+            url,
+            OSError(
+                err.errno,
+                f"{reason.strerror or reason} (the checkpoint was removed; make room, then {then})",
+            ),
+        ) from err
+    for _, old in complete_checkpoints(run)[: -max(keep, 1)]:
+        fs, path = storage.filesystem(old)
+        fs.rm(path, recursive=True)
+    return url
+
+
+def _write_state(
+    url: str,
+    step: int,
+    model_sd: dict[str, Tensor],
+    config: DrafterConfig,
+    optim_sd: Any,
+    state: dict[str, Any],
+) -> None:
+    """The files of a resumable checkpoint, `COMPLETE` last."""
     writer = _CheckpointWriter(url)
     writer.drafter(model_sd, config)
     tensors = {
@@ -372,10 +436,6 @@ def save_checkpoint(
     full_state = {**state, "step": step, "rng": rng_meta, "optimizer_param_groups": groups}
     writer.write("state.json", storage.json_bytes(full_state))
     writer.complete(step)
-    for _, old in complete_checkpoints(run)[: -max(keep, 1)]:
-        fs, path = storage.filesystem(old)
-        fs.rm(path, recursive=True)
-    return url
 
 
 def load_checkpoint(

@@ -89,6 +89,11 @@ class DataSection:
     )
     shuffle: bool = option(True, help="shuffle documents per epoch (seeded by the run seed)")
     prefetch: int = option(4, ge=0, help="rows built ahead by the loader thread", tags=SAFE)
+    content_sha256: list[str] | None = option(
+        None,
+        help="what each dataset holds (its manifest's content_sha256), recorded by `train`; "
+        "when set, data that holds other samples is refused (none: not checked)",
+    )
 
     def __post_init__(self) -> None:
         cfg.validate(self)

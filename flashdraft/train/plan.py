@@ -12,6 +12,7 @@ by construction the trainer's step-0 drafter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from flashdraft import storage
-from flashdraft.data.dataset import open_datasets
+from flashdraft.data.dataset import dataset_identity, open_datasets
 from flashdraft.export import load_dflash
 from flashdraft.log import get_logger
 from flashdraft.model.config import DrafterConfig, choose_mask_token_id, text_config
@@ -165,11 +166,20 @@ def previous_run_config(run: str) -> dict[str, Any] | None:
     return None
 
 
-def _resume_point(config: RunConfig, resume: bool) -> tuple[str | None, list[tuple[str, str]]]:
+def _resume_point(
+    config: RunConfig, resume: bool | str
+) -> tuple[str | None, list[tuple[str, str]]]:
     """(the checkpoint to resume from, the newer ones skipped with why). Refuses to start
-    over a run that has checkpoints without --resume, and a --resume with none usable."""
+    over a run that has checkpoints without --resume, a --resume with none usable, and a
+    --resume with none at all (`resume="auto"`: then the run starts)."""
     existing = latest_checkpoint(config.output)
     if existing is None:
+        if resume is True:
+            raise FileNotFoundError(
+                f"--resume: {config.output} has no checkpoint to resume from (none has a "
+                "COMPLETE marker); run without --resume to start the run, or pass "
+                "--resume=auto to resume when there is a checkpoint and start otherwise"
+            )
         return None, []
     if not resume:
         raise FileExistsError(
@@ -186,6 +196,57 @@ def _resume_point(config: RunConfig, resume: bool) -> tuple[str | None, list[tup
     return found, skipped
 
 
+def with_data_identity(config: RunConfig) -> RunConfig:
+    """`config` with `data.content_sha256`: what each prepared dataset holds (its manifest's
+    content fingerprint, read without the data). A config that names it already (a run's
+    recorded config used again) must name what the datasets hold now."""
+    found = [dataset_identity(url) for url in config.data.datasets]
+    named = config.data.content_sha256
+    if named is not None and named != found:
+        raise ValueError(
+            f"data.content_sha256 names other data than {', '.join(config.data.datasets)} "
+            f"hold{'s' if len(found) == 1 else ''} now ({_short(named)} named, {_short(found)} "
+            "found): it was prepared again; drop data.content_sha256 from the config to train "
+            "on this data"
+        )
+    data = dataclasses.replace(config.data, content_sha256=found)
+    return dataclasses.replace(config, data=data)
+
+
+def _short(digests: list[str]) -> str:
+    return ", ".join(d[:12] for d in digests)
+
+
+def _check_data_identity(config: RunConfig, previous: dict[str, Any], allow: bool) -> None:
+    """Refuse a resume on data that holds other samples than the run trained on (a dataset
+    prepared again in place); a run recorded before data identities is not checked."""
+    data = previous.get("data")
+    recorded = data.get("content_sha256") if isinstance(data, dict) else None
+    now = config.data.content_sha256
+    if now is None or not isinstance(data, dict):
+        return
+    if recorded is None:
+        log.warning(
+            f"{config.output} recorded no data identity (a run of an earlier version): resuming "
+            "without checking that the data holds the same samples"
+        )
+        data["content_sha256"] = now  # nothing to compare: not a change
+        return
+    if allow or recorded == now or data.get("datasets") != config.data.datasets:
+        return  # allowed (and recorded), the same, or a change of data.datasets (refused there)
+    changed = [
+        f"{url} ({a[:12]} when the run started, {b[:12]} now)"
+        for url, a, b in zip(config.data.datasets, recorded, now, strict=False)
+        if a != b
+    ]
+    raise ValueError(
+        f"--resume: the data of {config.output} changed since the run started: "
+        f"{'; '.join(changed) or _short(now)} hold other samples (prepared again?); resume on "
+        "the data the run started on, choose a new output, or pass --allow-config-change to "
+        "go on with this data"
+    )
+
+
 def _check_config_change(
     config: RunConfig, state: dict[str, Any], rows_per_step: int, allow: bool
 ) -> dict[str, Any] | None:
@@ -198,6 +259,7 @@ def _check_config_change(
             "checking that the settings are the run's"
         )
         return None
+    _check_data_identity(config, previous, allow)
     old_rows = state.get("rows_per_step")
     if old_rows is None and "dp_world" in state:  # checkpoints of earlier versions
         old_rows = int(state["dp_world"]) * int(previous.get("optim", {}).get("grad_accum", 1))
@@ -232,15 +294,19 @@ def _record_run(
 def plan_run(
     config: RunConfig,
     info: DistInfo,
-    resume: bool,
+    resume: bool | str,
     target_config: Any = None,
     dataset: Any = None,
     *,
     allow_config_change: bool = False,
 ) -> RunPlan:
     """The plan of a run on this rank; writes the resolved config into the run directory.
-    `target_config` and `dataset` may be passed in already built (benchmarks, tests)."""
+    `resume`: True resumes from the newest checkpoint that verifies (refused when there is
+    none), "auto" resumes when there is one and starts otherwise. `target_config` and
+    `dataset` may be passed in already built (benchmarks, tests)."""
     started = time.perf_counter()
+    if dataset is None:  # read from its URLs: what it holds is recorded and checked
+        config = with_data_identity(config)
     placement = assign_placement(info, config.parallel.placement, config.parallel.target_ranks)
     rows_per_step = placement.dp_world * config.optim.grad_accum
     resume_from, skipped = _resume_point(config, resume)

@@ -47,11 +47,14 @@ from flashdraft.train.features import (
     open_feature_source,
 )
 from flashdraft.train.held_out import HeldOutEval
+from flashdraft.train.layout import resolve_placement
+from flashdraft.train.lock import RunLock
 from flashdraft.train.loss import BlockStats, dpace_alpha_of, loss_slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import FiniteGuard, build_optimizer, members
 from flashdraft.train.packing import Row
 from flashdraft.train.parallel import (
+    DistInfo,
     barrier,
     compile_drafter,
     dp_all_reduce_sum,
@@ -484,7 +487,8 @@ class Trainer:
             progress.close()
         if self.logger is not None:
             self.logger.close(exit_code=EXIT_CODE)
-        raise TrainingStopped(self.step, self.total_steps, step_dir(self.run_dir, self.step))
+        by = self.sigterm.by if self.sigterm is not None else "SIGTERM"
+        raise TrainingStopped(self.step, self.total_steps, step_dir(self.run_dir, self.step), by)
 
     def _export(self) -> None:
         """The serving-format drafter of the finished run, written and checked by reloading."""
@@ -502,38 +506,25 @@ class Trainer:
 
 def train(
     config: RunConfig,
-    resume: bool = False,
+    resume: bool | str = False,
     target_model: Any = None,
     dataset: Any = None,
     *,
     allow_config_change: bool = False,
+    take_over: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) a training run on this process's rank; returns the last logged metrics
     record on the logging rank (empty elsewhere), and prints it as `{"final": ...}`.
-    `allow_config_change`: resume even with settings that change what is trained (recorded
-    in the run's `run_config_changes.jsonl`)."""
+    `resume`: True continues from the newest checkpoint that verifies (refused when there is
+    none), "auto" continues when there is one and starts otherwise. `allow_config_change`:
+    resume even with settings that change what is trained (recorded in the run's
+    `run_config_changes.jsonl`). The run holds its directory's lease while it runs
+    (`train/lock.py`; rank 0 takes it); `take_over`: take it from a holder that looks alive."""
     info = init_distributed(config.device)
     record: dict[str, Any] = {}
     try:
-        torch.manual_seed(config.seed + info.rank)
-        target_config = target_model.config if target_model is not None else None
-        plan = plan_run(
-            config, info, resume, target_config, dataset, allow_config_change=allow_config_change
-        )
-        trace(
-            "role",
-            role=plan.placement.role,
-            world=info.world,
-            local_rank=info.local_rank,
-            pid=os.getpid(),  # what a test signals
-        )
-        if plan.placement.role == "target":
-            serve_target(plan, target_model)
-            barrier(info)
-        else:
-            # SIGTERM checkpoints and stops (colocated; train/stopping.py says why not split)
-            with StopRequest(enabled=plan.placement.kind == "colocated") as sigterm:
-                record = Trainer(plan, target_model, sigterm).fit()
+        with RunLock(config.output, enabled=info.is_main, take_over=take_over):
+            record = _train_rank(config, info, resume, target_model, dataset, allow_config_change)
     finally:
         shutdown(info)
     if record:
@@ -541,3 +532,35 @@ def train(
         # log level may change (as `benchutil.print_json`).
         print(json.dumps({"final": record}), flush=True)
     return record
+
+
+def _train_rank(
+    config: RunConfig,
+    info: DistInfo,
+    resume: bool | str,
+    target_model: Any,
+    dataset: Any,
+    allow_config_change: bool,
+) -> dict[str, Any]:
+    """What `train` runs on this rank while the run's lease is held."""
+    torch.manual_seed(config.seed + info.rank)
+    target_config = target_model.config if target_model is not None else None
+    if config.parallel.placement == "auto":  # the memory plan's fastest layout that fits
+        config = resolve_placement(config, info, target_config)
+    plan = plan_run(
+        config, info, resume, target_config, dataset, allow_config_change=allow_config_change
+    )
+    trace(
+        "role",
+        role=plan.placement.role,
+        world=info.world,
+        local_rank=info.local_rank,
+        pid=os.getpid(),  # what a test signals
+    )
+    if plan.placement.role == "target":
+        serve_target(plan, target_model)
+        barrier(info)
+        return {}
+    # SIGTERM and SIGINT checkpoint and stop (colocated; train/stopping.py says why not split)
+    with StopRequest(enabled=plan.placement.kind == "colocated") as sigterm:
+        return Trainer(plan, target_model, sigterm).fit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import parse_command
+from helpers import parse_command, train_settings
 
 from flashdraft import cli
 from flashdraft.commands import train as train_command
@@ -24,12 +24,13 @@ def test_set_is_repeatable_and_applies_on_top_of_a_file_or_a_preset() -> None:
     options = _options(
         "--config", str(CONFIGS / "qwen3-8b.toml"), "--set", "optim.lr=1e-4", "--set", "seed=3"
     )
-    assert not options.resume
+    assert options.resume == "off"
     config = options.run.load()
     assert (config.optim.lr, config.seed) == (1e-4, 3)
     assert config.optim.warmup_steps == 500
     preset = _options("--preset", "qwen3-8b", "--set", "seed=3", "--resume")
-    assert preset.resume
+    assert preset.resume == "on"
+    assert _options("--preset", "qwen3-8b", "--resume=auto").resume == "auto"
     assert preset.run.load() == load_run_config(str(CONFIGS / "qwen3-8b.toml"), ["seed=3"])
 
 
@@ -47,9 +48,28 @@ def test_an_unknown_preset_is_an_argument_error(capsys) -> None:
 
 def test_allow_config_change_is_a_flag_of_resume_only(capsys) -> None:
     options = _options("--preset", "qwen3-8b", "--resume", "--allow-config-change")
-    assert options.resume and options.allow_config_change
+    assert options.resume == "on" and options.allow_config_change
     assert not _options("--preset", "qwen3-8b").allow_config_change
     assert cli.main(["train", "--preset", "qwen3-8b", "--allow-config-change"]) == 2
     assert capsys.readouterr().err == (
         "flashdraft train: error: --allow-config-change only applies with --resume\n"
     )
+
+
+def test_resume_with_no_checkpoint_says_so_and_stops_unless_auto(
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys
+) -> None:
+    """--resume in an output that has no checkpoint is a mistake (a typo in the output, a
+    run that never wrote one): one line, nothing written. --resume=auto starts there."""
+    run = tmp_path / "run"
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 1})
+    assert cli.main(["train", *settings, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"flashdraft train: error: --resume: {run} has no checkpoint to resume from (none has "
+        "a COMPLETE marker); run without --resume to start the run, or pass --resume=auto to "
+        "resume when there is a checkpoint and start otherwise\n"
+    )
+    assert not (run / "run_config.json").exists()
+    assert cli.main(["train", *settings, "--resume=auto"]) == 0
+    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()

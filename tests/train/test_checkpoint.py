@@ -3,8 +3,10 @@ state back; a drafter loaded from a run, a checkpoint or an export, told by thei
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import random
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import torch
 from helpers import tiny_drafter
 
+from flashdraft import storage
 from flashdraft.export import save_dflash, save_speculators
 from flashdraft.train.checkpoint import (
     STATE_FILES,
@@ -211,3 +214,47 @@ def test_load_drafter_tells_runs_checkpoints_and_exports_apart_by_their_markers(
         load_drafter(step_dir(str(run), 2))
     with pytest.raises(FileNotFoundError, match="neither a serving-format drafter"):
         load_drafter(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "marker", ["garbage", "", '{"step": 3, "files": {"drafter.safetensors": 1}}', "4\n"]
+)
+def test_a_complete_marker_that_does_not_parse_is_a_damaged_checkpoint(tmp_path, marker) -> None:
+    """Never a reason to skip the checksums: a marker neither this version's (JSON with the
+    files' sha256 and size) nor an older one's (the checkpoint's own step number) makes the
+    checkpoint unusable, and the run walks back past it."""
+    run = str(tmp_path)
+    drafter, optimizer = _trained_a_little()
+    save_checkpoint(run, 2, drafter, optimizer, {"cursor": 2}, keep=3, is_main=True)
+    save_checkpoint(run, 3, drafter, optimizer, {"cursor": 3}, keep=3, is_main=True)
+    folder = tmp_path / "checkpoints" / "step_00000003"
+    weights = folder / "drafter.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))  # changed, not cut: same size
+    (folder / "COMPLETE").write_text(marker)
+    assert "its COMPLETE marker does not parse" in (verify_checkpoint(step_dir(run, 3)) or "")
+    found, skipped = usable_checkpoint(run)
+    assert found == step_dir(run, 2) and [u for u, _ in skipped] == [step_dir(run, 3)]
+
+
+def test_a_checkpoint_that_fails_to_write_is_one_line_and_removed(tmp_path, monkeypatch) -> None:
+    """A full disk mid-checkpoint: the error names the checkpoint and what to do; no half
+    checkpoint (nor temporary file) is left to fill the disk or be mistaken for one."""
+    run = str(tmp_path)
+    drafter, optimizer = _trained_a_little()
+    save_checkpoint(run, 2, drafter, optimizer, {"cursor": 2}, keep=3, is_main=True)
+    calls = []
+
+    def full_at_the_third(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_at_the_third)
+    with pytest.raises(storage.WriteFailed) as failed:
+        save_checkpoint(run, 4, drafter, optimizer, {"cursor": 4}, keep=3, is_main=True)
+    assert str(failed.value) == (
+        f"could not write {step_dir(run, 4)}: No space left on device (the checkpoint was "
+        f"removed; make room, then run the same command with --resume (it goes on from "
+        f"{step_dir(run, 2)}))"
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]

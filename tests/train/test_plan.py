@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import tiny_drafter, train_settings
 
+from flashdraft.data.dataset import dataset_identity
 from flashdraft.export import save_dflash
 from flashdraft.model.drafter import init_seeded
 from flashdraft.train.checkpoint import save_checkpoint
@@ -43,7 +44,10 @@ def test_plan_counts_steps_and_walks_the_rows_of_each_replica(
     assert list(plan.positions(0)) == [0, 1, 2, 3, 4, 5]
     assert plan.rows_left == 6 and plan.resume_from is None
     written = json.loads((tmp_path / "run" / "run_config.json").read_text())
-    assert written == config.to_dict()  # the resolved config, next to the outputs
+    assert written == plan.config.to_dict()  # the resolved config, next to the outputs
+    # what the data holds (its manifest's fingerprint), filled in where the config had none
+    assert written["data"]["content_sha256"] == [dataset_identity(str(qwen_data))]
+    assert config.data.content_sha256 is None
     assert not (tmp_path / "run" / "config.json").exists()  # the name engines read
     assert plan.drafter_config.block_size == 8 and plan.drafter_config.num_hidden_layers == 1
 
