@@ -287,9 +287,11 @@ class EvalSection:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelSection:
-    placement: Literal["colocated", "split"] = option(
+    placement: Literal["colocated", "split", "auto"] = option(
         "colocated",
-        help="colocated: target + drafter on every rank; split: target ranks feed drafter ranks",
+        help="colocated: target + drafter on every rank; split: target ranks feed drafter ranks; "
+        "auto: the fastest layout that fits these GPUs (`flashdraft train --plan` lists them; "
+        "it may also shard, checkpoint the drafter, shorten rows or LM-head chunks)",
         tags=SAFE,
     )
     target_ranks: int = option(0, ge=0, help="split: how many ranks run only the target", tags=SAFE)

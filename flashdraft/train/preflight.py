@@ -1,23 +1,28 @@
-"""Will this run fit? A memory estimate from the run config, checked before anything loads.
+"""Will this run fit? A memory model of one GPU from the run config, before anything loads.
 
-All terms in bytes, per GPU, for the colocated placement (the target and a drafter replica on
-every rank). Coefficients of the activation terms were measured on an H200 (bench/drafter.py,
-bench/trainer.py) and are deliberately a little generous; the estimate is a guard against
-runs that cannot fit, not an allocator.
+Every term is in bytes, per GPU, named, and belongs either to the whole step (held: weights,
+optimizer state, gradients kept across micro-batches, buffers in flight) or to one phase of
+it. A step's phases never overlap on the GPU (`Trainer.train_step`: `make_batch`, then
+`draft_loss` and its backward): the target's packed forward under inference mode, whose
+per-layer transients and document mask are freed before its labels are computed and before
+`Target.packed_outputs` returns, the labels' logits chunk, and the drafter's step. The
+predicted peak (what `torch.cuda.max_memory_allocated` reports) is the held terms plus the
+largest phase; `MemoryEstimate.total` adds the allocator's slack (`MARGIN`).
 
-A step has two phases that never overlap on the GPU (`Trainer.train_step`: `make_batch`, then
-`draft_loss` and its backward): the target's packed forward, under inference mode
-(`Target.no_grad`), whose per-layer transients and document mask are freed when
-`Target.packed_outputs` returns, and the drafter's step. So the peak is the terms held across
-both (weights, optimizer state, the taps) plus the larger phase, not the sum of all terms.
+The role says which placement's GPU is modelled (`train/layout.py` asks for each):
+"colocated" (target and a drafter replica), "target" (a split placement's target rank: the
+target and the rows queued to its drafter ranks) or "drafter" (a split placement's drafter
+rank: the target's embedding and LM head, the drafter, the rows received).
 
-Measured against it: a Qwen3.6-27B-shaped hybrid target + 5-layer drafter, 16384-token rows,
-A = 512, B = 16, peaked at 86.2 GB on an H200 (benchmarks/hybrid_h200_20261201.md); the
-estimate says 103.7 GB (114.1 with the margin), where summing every term and the former
-linear-attention term said 108.1 (118.9). The rest of the gap is in the drafter step's terms,
-kept as generous estimates: its fp32 gradients (with one forward per optimizer step they do
-not exist yet at the activation peak: `zero_grad(set_to_none=True)`), the activation
-coefficient and the context K/V.
+Calibrated against the records (GB = GiB, as the benches print `max_memory_allocated`):
+the Qwen3.6-27B-shaped hybrid + 5-layer drafter (1,835M) at 8192-token rows peaks at 85.4
+GB in the drafter step and 73.6 GB in the target forward (benchmarks/hybrid_h200_20261201.md;
+this model: 86.7 and 73.3), 86.2 GB at 16384 (this model: 87.6); the 8B-width drafter alone
+23.0 GB (benchmarks/drafter_h200_202611.md; 22.3); DDP's buckets +4.84 GB over one GPU
+(benchmarks/parallel_h200x2_202611.md). The former estimate said 114.1 GB for the 27B at
+16384: it counted the drafter's activations at 16 bytes per (H + I) element per query and
+layer, its gradients whole in the drafter step (with one forward per optimizer step they are
+created layer by layer as the activations are freed), and a 10% margin on top.
 """
 
 from __future__ import annotations
@@ -32,45 +37,104 @@ from flashdraft.model.hybrid import DELTA_RULE_CHUNK, linear_layer_ids
 from flashdraft.train.config import RunConfig
 
 GB = 2**30
-# Saved activations per query token per drafter layer, in bytes per unit of (H + I):
-# 23.0 GB peak for A*B = 8192 queries, 5 layers, H = 4096, I = 12288 (bench/drafter.py),
-# after weights, gradients, bf16 weight copies and the LM-head chunk: ~13 B; rounded up.
-DRAFTER_ACT_BYTES = 16
-MARGIN = 1.10  # allocator fragmentation and CUDA context
-
+# Bytes saved for backward per element of (4 H + 3 q + 3 kv + 3 I) per query token and draft
+# layer: the compiled layer keeps, in bf16, its input and normed input (2 H), q before its
+# norm, after RoPE and the attention output (3 q), k and v of the block and k before its norm
+# (3 kv), the second residual and its normed input (2 H), gate, up and their product (3 I);
+# 2 bytes each, x 1.13 for what the list leaves out (norm statistics, the attention's
+# log-sum-exp, allocator rounding): fitted to the 8B-width drafter's +19.6 GB from 8192 to
+# 32768 queries (benchmarks/peers_h200_202611.md).
+DRAFTER_SAVED_BYTES = 2.25
+# The chunked LM head + loss in the drafter's forward (`train/loss.py`): z = h W^T in bf16,
+# its fp32 logits and gradient and the bf16 gradient, ~14 bytes per logit of a chunk: fitted
+# to the 8B-width drafter step's 23.0 GB (benchmarks/drafter_h200_202611.md).
+LM_BYTES_PER_LOGIT = 14
+# DDP keeps its gradient buckets beside the gradients: +4.84 GB for 1,049M fp32 gradients
+# (3.91 GB) on two H200s (benchmarks/parallel_h200x2_202611.md).
+DDP_BUCKETS = 1.24
+MARGIN = 1.05  # the caching allocator's reserved memory over its peak allocation
 
 TARGET_PHASE = "target forward"
+LABELS_PHASE = "target labels"
 DRAFTER_PHASE = "drafter step"
+ROLES = ("colocated", "target", "drafter")
 
 
 @dataclass(slots=True)
 class MemoryEstimate:
     terms: dict[str, float]  # name -> bytes
-    phases: dict[str, str]  # name -> TARGET_PHASE or DRAFTER_PHASE; absent: held throughout
+    phases: dict[str, str]  # name -> one of the phases; absent: held throughout
+    role: str = "colocated"
 
     def phase_bytes(self, phase: str) -> float:
         return sum(v for name, v in self.terms.items() if self.phases.get(name) == phase)
 
     @property
+    def held(self) -> float:
+        return sum(v for name, v in self.terms.items() if name not in self.phases)
+
+    @property
     def peak_phase(self) -> str:
-        target, drafter = self.phase_bytes(TARGET_PHASE), self.phase_bytes(DRAFTER_PHASE)
-        return TARGET_PHASE if target > drafter else DRAFTER_PHASE
+        present = {p for p in self.phases.values()} or {DRAFTER_PHASE}
+        return max(sorted(present), key=self.phase_bytes)
+
+    @property
+    def peak(self) -> float:
+        """The predicted peak of allocated memory (`torch.cuda.max_memory_allocated`)."""
+        return self.held + self.phase_bytes(self.peak_phase)
 
     @property
     def total(self) -> float:
-        held = sum(v for name, v in self.terms.items() if name not in self.phases)
-        return (held + self.phase_bytes(self.peak_phase)) * MARGIN
+        """What the GPU must have for it: the peak and the allocator's slack."""
+        return self.peak * MARGIN
 
     def table(self) -> str:
         rows = [
-            f"  {name:<34} {value / GB:8.2f} GB  {self.phases.get(name, '')}"
+            f"  {name:<44} {value / GB:8.2f} GB  {self.phases.get(name, 'held')}"
             for name, value in self.terms.items()
         ]
+        rows.append(f"  {'peak (held + the ' + self.peak_phase + ')':<44} {self.peak / GB:8.2f} GB")
         rows.append(
-            f"  {'total (x' + str(MARGIN) + ' margin)':<34} {self.total / GB:8.2f} GB  "
-            f"(peak in the {self.peak_phase}; the other phase's terms are freed before it)"
+            f"  {'needed (x' + str(MARGIN) + ' allocator slack)':<44} {self.total / GB:8.2f} GB"
         )
         return "\n".join(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Parameter counts the terms read, counted once (the target on the meta device)."""
+
+    target_layers: int  # decoder layers' parameters (what FSDP2 shards)
+    target_rest: int  # embedding, final norm, LM head: whole on every rank
+    target_layer_max: int  # the largest decoder layer (FSDP2 gathers it whole)
+    target_head: int  # embedding + LM head (a split drafter rank receives them)
+    drafter: int
+    drafter_layer_max: int
+
+
+def sizes(target_config: Any, drafter: DrafterConfig) -> Sizes:
+    """Count the target's and the drafter's parameters on the meta device (no memory, no
+    weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.model.drafter import DFlashDrafter, param_count
+    from flashdraft.model.target import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config)
+        draft = DFlashDrafter(drafter)
+    layers = [param_count(layer) for layer in decoder_layers(model)]
+    total = param_count(model)
+    text = target_config.get_text_config()
+    head = text.vocab_size * text.hidden_size * (1 if text.tie_word_embeddings else 2)
+    return Sizes(
+        target_layers=sum(layers),
+        target_rest=total - sum(layers),
+        target_layer_max=max(layers),
+        target_head=head,
+        drafter=param_count(draft),
+        drafter_layer_max=max(param_count(layer) for layer in draft.layers),
+    )
 
 
 def target_param_bytes(target_config: Any, dtype_bytes: int) -> float:
@@ -80,6 +144,16 @@ def target_param_bytes(target_config: Any, dtype_bytes: int) -> float:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target_config)
     return float(sum(p.numel() for p in model.parameters()) * dtype_bytes)
+
+
+def drafter_saved_bytes_per_query(drafter: DrafterConfig) -> float:
+    """What one draft layer keeps for backward per query token (`DRAFTER_SAVED_BYTES`)."""
+    h, i = drafter.hidden_size, drafter.intermediate_size
+    q, kv = (
+        drafter.num_attention_heads * drafter.head_dim,
+        drafter.num_key_value_heads * drafter.head_dim,
+    )
+    return DRAFTER_SAVED_BYTES * (4 * h + 3 * q + 3 * kv + 3 * i)
 
 
 def linear_attention_bytes_per_token(text: Any, dtype_bytes: int) -> float:
@@ -117,79 +191,138 @@ def estimate(
     config: RunConfig,
     drafter: DrafterConfig,
     target_config: Any,
-    drafter_params: int,
+    drafter_params: int | None = None,
     shards: int = 1,
+    *,
+    role: str = "colocated",
+    replicas: int = 1,
+    consumers: int = 1,
+    counts: Sizes | None = None,
 ) -> MemoryEstimate:
+    """The memory of one GPU of the run. `shards`: ranks the target's decoder layers are
+    sharded over (FSDP2, colocated); `replicas`: drafter replicas (DDP buckets, or FSDP2 shards
+    with `parallel.drafter_sharding = "fsdp"`); `consumers`: drafter ranks a split target rank
+    feeds. `drafter_params` overrides the drafter's count (tests)."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
+    counts = counts or sizes(target_config, drafter)
+    p_draft = counts.drafter if drafter_params is None else drafter_params
     text = target_config.get_text_config()
     dtype_bytes = 4 if config.target.dtype == "float32" else 2
+    h, vocab = text.hidden_size, text.vocab_size
     # What one forward holds: `optim.rows_per_forward` rows at once (their tokens, anchors);
     # the target's forward `target.forward_rows` rows when it runs ahead, their outputs held.
-    rows = config.optim.rows_per_forward
-    target_rows = config.target_rows
-    t, h = config.data.row_tokens * rows, text.hidden_size
-    t_target = config.data.row_tokens * target_rows
-    inter = text.intermediate_size
+    rows, target_rows = config.optim.rows_per_forward, config.target_rows
+    row = config.data.row_tokens
+    t, t_target = row * rows, row * target_rows
     q = config.loss.anchors * drafter.block_size * rows
     kv_dim = drafter.num_key_value_heads * drafter.head_dim
-    # One layer's transient at row length: MLP gate/up/act and attention q/k/v/out; on a
-    # hybrid target the largest of that and a linear-attention layer's.
-    per_token = (3 * inter + 6 * h) * dtype_bytes
-    if linear_layer_ids(target_config):
-        per_token = max(per_token, linear_attention_bytes_per_token(text, dtype_bytes))
-    # Soft labels: k int64 ids + k fp32 probabilities per trained slot of a row (the target's
-    # top-k runs inside its label chunk).
+    layers = drafter.num_hidden_layers
     soft = config.loss.soft_top_k if config.loss.labels == "soft" else 0
-    slots = config.loss.anchors * (drafter.block_size - 1) * target_rows
-    soft_labels = {"soft labels (top-k ids + fp32 probs)": float(slots * soft * (8 + 4))}
-    # The target's labels (`TargetHead.labels_at`): a chunk of logits in the target dtype and
-    # its scaled copy (softcap / multiplier), in the target forward only.
-    chunk = 2.0 * config.loss.chunk_rows * text.vocab_size * dtype_bytes
-    target_labels = {"target label chunk (logits x2)": chunk}
-    # Targets whose attention is not flex (hybrids: transformers has none; or a configured
-    # implementation) take the packed row's document mask dense: [T, T] booleans, and SDPA's
-    # additive copy of it in the target dtype.
-    dense = linear_layer_ids(target_config) or config.target.attn_implementation not in (
-        None,
-        "flex_attention",
-        "varlen",
-    )
-    row = config.data.row_tokens
-    mask = {"dense document mask [T, T] (sdpa)": float(target_rows * row * row * (1 + dtype_bytes))}
-    # `drafter.residual_dtype = "float32"` under a 2-byte target: the norms' outputs are fp32,
-    # and autocast saves a bf16 cast of them for each projection that reads one (the block's
-    # q, k, v; gate, up). Measured with saved-tensor hooks under eager CPU autocast (a tiny
-    # drafter at 2 and 4 layers): 10 more bytes per query token, hidden unit and layer, plus
-    # 2 (the final norm). Compiled layers may save less.
+    slots = config.loss.anchors * (drafter.block_size - 1)  # trained slots of a row
+    # One row on the wire (split): taps [T, K*H], next tokens, soft labels.
+    payload = row * h * drafter.num_taps * dtype_bytes + slots * 8 * (1 + soft) + slots * soft * 4
+    terms: dict[str, float] = {}
+    phases: dict[str, str] = {}
+
+    def add(name: str, value: float, phase: str | None = None) -> None:
+        terms[name] = float(value)
+        if phase is not None:
+            phases[name] = phase
+
+    if role in ("colocated", "target"):
+        weights = (counts.target_layers / shards + counts.target_rest) * dtype_bytes
+        add("target weights" + (f" (layers / {shards})" if shards > 1 else ""), weights)
+        # One layer's transient at row length: MLP gate/up/act and attention q/k/v/out; on a
+        # hybrid target the largest of that and a linear-attention layer's.
+        per_token = (3 * text.intermediate_size + 6 * h) * dtype_bytes
+        if linear_layer_ids(target_config):
+            per_token = max(per_token, linear_attention_bytes_per_token(text, dtype_bytes))
+        add("target layer transient (largest layer)", t_target * per_token, TARGET_PHASE)
+        if shards > 1:  # FSDP2 gathers a layer whole, the next one prefetched
+            add(
+                "FSDP2 gathered target layers (2)",
+                2 * counts.target_layer_max * dtype_bytes,
+                TARGET_PHASE,
+            )
+        # Targets whose attention is not flex (hybrids: transformers has none; or a configured
+        # implementation) take the packed row's document mask dense: [T, T] booleans, and
+        # SDPA's additive copy of it in the target dtype.
+        dense = linear_layer_ids(target_config) or config.target.attn_implementation not in (
+            None,
+            "flex_attention",
+            "varlen",
+        )
+        if dense:
+            add(
+                "dense document mask [T, T] (sdpa)",
+                target_rows * row * row * (1 + dtype_bytes),
+                TARGET_PHASE,
+            )
+        # The target's labels (`TargetHead.labels_at`): a chunk of logits in the target dtype
+        # and its scaled copy (softcap / multiplier), after the layers.
+        if config.loss.labels != "data":
+            add(
+                "target label chunk (logits x2)",
+                2.0 * config.loss.chunk_rows * vocab * dtype_bytes,
+                LABELS_PHASE,
+            )
+        # The taps, made in the target's forward and read by the drafter's step (colocated),
+        # or sent (split: the target rank keeps `queue_depth` rows in flight per consumer).
+        add("taps + last hidden state", t_target * h * (drafter.num_taps + 1) * dtype_bytes)
+        if role == "target":
+            add("rows queued to drafter ranks", config.parallel.queue_depth * consumers * payload)
+        if soft:
+            add("soft labels (top-k ids + fp32 probs)", slots * target_rows * soft * 12)
+    if role == "target":
+        return MemoryEstimate(terms, phases, role)
+    if role == "drafter":
+        add("target embedding + LM head", counts.target_head * dtype_bytes)
+        # `FeatureReceiver`: `queue_depth` receives posted, and the one being trained on.
+        add("rows received (queue + current)", (config.parallel.queue_depth + 1) * payload)
+
+    sharded = config.parallel.drafter_sharding == "fsdp" and replicas > 1
+    split = replicas if sharded else 1
+    optimizer = 4 if config.optim.optimizer == "muon" else 8  # momentum; AdamW's m and v
+    add("drafter weights (fp32)", p_draft * 4 / split)
+    add(f"optimizer state ({config.optim.optimizer})", p_draft * optimizer / split)
+    if config.optim.grad_accum > rows:  # gradients live across the step's micro-batches
+        add("drafter gradients (fp32, across micro-batches)", p_draft * 4 / split)
+    if replicas > 1 and not sharded:
+        add("DDP gradient buckets", p_draft * 4 * DDP_BUCKETS)
     wider = config.drafter.residual_dtype == "float32" and dtype_bytes == 2
-    residual = {"fp32 residual (casts saved)": (10 * drafter.num_hidden_layers + 2) * q * h}
-    # Alive only in one phase of the step (module docstring); the rest is held throughout.
-    phases = {
-        "target activations": TARGET_PHASE,
-        "target label chunk (logits x2)": TARGET_PHASE,
-        "dense document mask [T, T] (sdpa)": TARGET_PHASE,
-        "drafter activations (A*B queries)": DRAFTER_PHASE,
-        "drafter context K/V (row length)": DRAFTER_PHASE,
-        "LM head chunk (fp32 logits x3)": DRAFTER_PHASE,
-        "fp32 residual (casts saved)": DRAFTER_PHASE,
-    }
-    terms = {
-        "target weights": target_param_bytes(target_config, dtype_bytes) / shards,
-        "target activations": t_target * per_token,
-        **(target_labels if config.loss.labels != "data" else {}),
-        "taps + last hidden state": t_target * h * (drafter.num_taps + 1) * dtype_bytes,
-        "drafter weights+grads+AdamW (fp32)": drafter_params * 16.0,
-        "drafter bf16 weight copies": drafter_params * 2.0,
-        "drafter activations (A*B queries)": (
-            q * drafter.num_hidden_layers * DRAFTER_ACT_BYTES * (h + drafter.intermediate_size)
-        ),
-        "drafter context K/V (row length)": t
-        * (drafter.num_hidden_layers * 6 * kv_dim * 4 + 8 * h),
-        "LM head chunk (fp32 logits x3)": 3.0 * config.loss.chunk_rows * drafter.vocab_size * 4,
-        **(soft_labels if soft else {}),
-        **(mask if dense else {}),
-        **(residual if wider else {}),
-    }
-    return MemoryEstimate(terms, {k: v for k, v in phases.items() if k in terms})
+    saved = drafter_saved_bytes_per_query(drafter)
+    if config.drafter.activation_checkpointing:
+        # Each layer keeps its input (the residual stream); one layer's activations exist
+        # again while its backward recomputes them.
+        stream = 4 if wider else dtype_bytes
+        add("drafter layer inputs (checkpointed)", q * layers * h * stream, DRAFTER_PHASE)
+        add("drafter activations (one layer recomputed)", q * saved, DRAFTER_PHASE)
+        kv_layers = 1
+    else:
+        add("drafter activations (A*B queries)", q * layers * saved, DRAFTER_PHASE)
+        kv_layers = layers
+        if wider:
+            # `drafter.residual_dtype = "float32"` under a 2-byte target: the norms' outputs
+            # are fp32, and autocast saves a bf16 cast of them for each projection that reads
+            # one (q, k, v; gate, up): measured with saved-tensor hooks under eager CPU
+            # autocast, 10 more bytes per query, hidden unit and layer, plus 2 (final norm).
+            add("fp32 residual (casts saved)", (10 * layers + 2) * q * h, DRAFTER_PHASE)
+    # The fused context [T, H] and each layer's context K/V, before and after the block's
+    # keys are appended ([T, kv] and [T + Q, kv], k and v, bf16).
+    context = t * h * dtype_bytes + kv_layers * 2 * (2 * t + q) * kv_dim * dtype_bytes
+    add("drafter context + K/V", context, DRAFTER_PHASE)
+    # The forward's last big allocation is the LM head's chunk (the loss and its gradient are
+    # computed in forward); the backward's first, the last layer's fp32 weight gradients.
+    head = config.loss.chunk_rows * drafter.vocab_size * LM_BYTES_PER_LOGIT
+    add(
+        "LM head chunk / a layer's gradients",
+        max(head, counts.drafter_layer_max * 4 / split),
+        DRAFTER_PHASE,
+    )
+    if sharded:  # FSDP2 gathers a layer's fp32 weights whole (and the next one prefetched)
+        add("FSDP2 gathered drafter layers (2)", 2 * counts.drafter_layer_max * 4, DRAFTER_PHASE)
+    return MemoryEstimate(terms, phases, role)
 
 
 def check(
@@ -203,10 +336,18 @@ def check(
     """Raise ValueError, with the numbers and what to change, if the run cannot fit.
     `resident`: bytes of the estimate already on the GPU (a target model handed in loaded),
     which the free memory no longer includes."""
-    shards = 1
-    if config.parallel.shard_target and torch.distributed.is_initialized():
-        shards = torch.distributed.get_world_size()
-    result = estimate(config, drafter, target_config, drafter_params, shards)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    split = config.parallel.placement == "split"
+    shards = world if config.parallel.shard_target and not split else 1
+    result = estimate(
+        config,
+        drafter,
+        target_config,
+        drafter_params,
+        shards,
+        role="drafter" if split else "colocated",
+        replicas=world - config.parallel.target_ranks if split else world,
+    )
     if device.type != "cuda":
         return result
     free, total = torch.cuda.mem_get_info(device)
@@ -217,8 +358,8 @@ def check(
             f"{free / GB:.1f} GB of {total / GB:.1f} GB are free:\n{result.table()}\n"
             "to fit: lower optim.rows_per_forward, target.forward_rows, loss.anchors (drafter "
             "activations), data.row_tokens (target activations, context), loss.chunk_rows (LM "
-            "head), drafter.num_layers; or shard the "
-            "target (parallel.shard_target) / use parallel.placement = 'split'. "
+            "head), drafter.num_layers; or let `flashdraft train --plan` list the layouts "
+            "that fit (parallel.placement = 'auto' picks the fastest). "
             "Set preflight = false to try anyway."
         )
     return result

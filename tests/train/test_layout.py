@@ -1,0 +1,88 @@
+"""The memory plan: the layouts of a run on N GPUs of M GB, their predicted memory and
+tokens/s, and the choice of `parallel.placement = "auto"`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_preflight import qwen3_6_27b_text_config
+
+from flashdraft.model.config import DrafterConfig
+from flashdraft.train import layout, preflight
+from flashdraft.train.config import load_run_config
+
+GB = 2**30
+BASE = ["output=x", "target.path=x", 'data.datasets=["z"]', "data.row_tokens=8192"]
+# One row of the 27B-shaped hybrid on an H200 (benchmarks/hybrid_h200_20261201.md).
+RECORDS = layout.Timings(0.9801, 0.2866, "records")
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    target = qwen3_6_27b_text_config()
+    drafter = DrafterConfig.from_target_config(target, mask_token_id=248319)
+    return target, drafter, preflight.sizes(target, drafter)
+
+
+def test_one_80_gb_card_needs_checkpointing_and_96_gb_does_not(hybrid) -> None:
+    target, drafter, counts = hybrid
+    config = load_run_config(None, BASE)
+    plan = layout.plan_layouts(config, drafter, target, 1, 80 * GB, RECORDS, counts)
+    best = plan.best
+    assert best is not None and best.layout.placement == "colocated"
+    assert best.layout.checkpointing and best.memory["colocated"].total <= 80 * GB
+    # The layout as its overrides say, read back as a run config: the same estimate.
+    again = load_run_config(None, BASE + best.layout.overrides(config))
+    assert again == best.layout.apply(config)
+    assert preflight.estimate(again, drafter, target, counts=counts).peak == best.peak
+    # Checkpointing costs one more forward of the layers: slower than the plain step.
+    assert best.tokens_per_s < 8192 / (RECORDS.target_s + RECORDS.drafter_s)
+    roomy = layout.plan_layouts(config, drafter, target, 1, 96 * GB, RECORDS, counts).best
+    assert roomy is not None and roomy.layout == layout.Layout("colocated")
+    assert roomy.tokens_per_s == pytest.approx(8192 / (RECORDS.target_s + RECORDS.drafter_s))
+    assert "colocated x1" in plan.table()
+
+
+def test_the_seeds_four_96_gb_cards_colocate_rather_than_split(hybrid) -> None:
+    """The seed's 2 target + 2 drafter ranks fit but are target-bound: two target forwards
+    feed the drafters, where four colocated ranks each run both."""
+    target, drafter, counts = hybrid
+    config = load_run_config(None, BASE)
+    plan = layout.plan_layouts(config, drafter, target, 4, 96 * GB, RECORDS, counts)
+    best = plan.best
+    assert best is not None and best.layout.placement == "colocated"
+    split = next(c for c in plan.candidates if c.layout == layout.Layout("split", 2))
+    assert split.fits and set(split.memory) == {"target", "drafter"}
+    assert split.tokens_per_s == pytest.approx(
+        2 * 8192 / (RECORDS.target_s + 8192 * 5120 * 5 * 2 / layout.P2P_BYTES_PER_S)
+    )
+    assert best.tokens_per_s > 1.4 * split.tokens_per_s
+    # Four replicas: at most 4x one GPU, less the gradients' traffic.
+    one = 8192 / (RECORDS.target_s + RECORDS.drafter_s)
+    assert 3.8 * one < best.tokens_per_s < 4 * one
+
+
+def test_nothing_fits_says_so_and_auto_refuses(hybrid, monkeypatch) -> None:
+    target, drafter, counts = hybrid
+    config = load_run_config(None, BASE)
+    plan = layout.plan_layouts(config, drafter, target, 1, 40 * GB, RECORDS, counts)
+    assert plan.best is None and "nothing fits" in plan.table()
+    monkeypatch.setattr(layout, "device_capacity", lambda device: 40 * GB)
+    with pytest.raises(ValueError, match="no layout of this run fits 1 GPU"):
+        layout.resolve_auto(config, target, drafter, 1, torch.device("cpu"))
+    # On the CPU (no memory bound) `auto` keeps the run as configured.
+    monkeypatch.undo()
+    resolved, _ = layout.resolve_auto(config, target, drafter, 1, torch.device("cpu"))
+    assert resolved.parallel.placement == "colocated" and resolved.data == config.data
+
+
+def test_muon_is_never_sharded_and_split_keeps_one_target_row() -> None:
+    config = load_run_config(None, [*BASE, 'optim.optimizer="muon"', "target.forward_rows=2"])
+    kinds = layout.layouts(config, 4)
+    assert all(lay.drafter_sharding == "ddp" for lay in kinds)
+    splits = [lay for lay in kinds if lay.placement == "split"]
+    assert {lay.target_ranks for lay in splits} == {1, 2}
+    assert splits[0].apply(config).target.forward_rows == 1
+    shorter = layout.Layout("colocated", row_divisor=2).apply(config)
+    assert shorter.data.row_tokens == 4096 and shorter.loss.anchors == 256
+    assert shorter.optim.grad_accum == 2 * config.optim.grad_accum
