@@ -135,7 +135,12 @@ class StaticDecoder:
             compiled = functools.partial(
                 torch.compile, backend=compile_backend, fullgraph=True, dynamic=False
             )
-            self._forward = compiled(self.lm.__call__)
+            if self.lm.hybrid:
+                # per part (one graph serves every layer of a kind): a 64-layer hybrid
+                # forward compiled whole would take minutes per block size
+                self.lm.compile_layers(compile_backend)
+            else:
+                self._forward = compiled(self.lm.__call__)
             if drafter is not None and block_size > 1 and compile_drafter:
                 self._draft_step = compiled(self._draft)
                 self._extend_step = compiled(self._extend)

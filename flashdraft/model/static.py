@@ -210,6 +210,7 @@ class StaticLM:
             static_hybrid.gated_project,
             static_hybrid.gated_finish,
         )
+        self._commit: Callable[..., None] = static_hybrid.commit
         self._fused: list[static_layers.Fused | None] = [None] * len(self.layers)
         # index_put_ coordinates of a call of every row (`static_layers.write_cache`)
         self._row_ids = torch.arange(rows, device=self.device)[:, None, None]
@@ -278,7 +279,7 @@ class StaticLM:
         """After a `keep=True` call: keep every linear layer's state after token accepted[r]
         (0-based, [R]) of that call, exactly as if only those tokens had been fed."""
         for conv, state, pending in zip(self.conv, self.state, self._pending, strict=True):
-            static_hybrid.commit(conv, state, pending, accepted)
+            self._commit(conv, state, pending, accepted)
 
     def _masks(self, positions: Tensor, kv_len: int) -> dict[int | None, Tensor]:
         """Visibility [R, 1, G*n, kv_len] (True = attend), one per distinct window: slot j is
@@ -398,9 +399,12 @@ class StaticLM:
         SmolLM2-135M prefill spent ~15 of its 25 ms of GPU time in unfused elementwise
         kernels (norms, RoPE, SiLU; `bench/prefill_profile.py` shows where it goes)."""
         if self.hybrid:  # one graph per part and kind of layer; prefill stays eager
+            parts = (static_hybrid.linear_step, static_hybrid.gated_project)
             self._hybrid_parts = tuple(
-                torch.compile(part, backend=backend, dynamic=False) for part in self._hybrid_parts
+                torch.compile(part, backend=backend, dynamic=False)
+                for part in (*parts, static_hybrid.gated_finish)
             )
+            self._commit = torch.compile(static_hybrid.commit, backend=backend, dynamic=False)
             return
         self._decode_parts = (
             torch.compile(static_layers.project_into_cache, backend=backend, dynamic=False),
