@@ -13,6 +13,7 @@ from flashdraft import config as cfg
 from flashdraft import storage
 from flashdraft.config import option
 from flashdraft.log import get_logger
+from flashdraft.train.layout import plan_for_run
 from flashdraft.train.presets import RunSource
 from flashdraft.train.trainer import train
 
@@ -45,6 +46,16 @@ class TrainOptions:
         help="take the run directory's lock from a run that looks alive (only when that run is "
         "gone for good: a lock whose process is gone, or not refreshed for 10 minutes, is taken "
         "over without it)",
+    )
+    plan: bool = option(
+        False,
+        help="print the memory plan and exit: the layouts of this run that fit --plan-gpus "
+        "GPUs of --plan-gb GB, their predicted peak memory and tokens/s, the fastest first "
+        "(parallel.placement = 'auto' trains with it; docs/multi-node.md)",
+    )
+    plan_gpus: int | None = option(None, ge=1, help="--plan: GPUs (default: this machine's)")
+    plan_gb: float | None = option(
+        None, gt=0, help="--plan: GB per GPU (default: this GPU's free memory, else 80)"
     )
 
     def __post_init__(self) -> None:
@@ -90,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
     options: TrainOptions = cfg.from_args(TrainOptions, args)
     if options.allow_config_change and options.resume == "off":
         raise ValueError("--allow-config-change only applies with --resume")
+    if options.plan:
+        plan = plan_for_run(options.run.load(), options.plan_gpus, options.plan_gb)
+        print(plan.table(), flush=True)
+        best = plan.best
+        if best is not None:
+            print("chosen: --set " + " --set ".join(best.layout.overrides(options.run.load())))
+        return 0
     try:
         train(
             options.run.load(),

@@ -40,6 +40,7 @@ from flashdraft.log import get_logger
 from flashdraft.model.config import DrafterConfig
 from flashdraft.train import preflight
 from flashdraft.train.config import RunConfig
+from flashdraft.train.plan import build_drafter_config, load_target_config
 from flashdraft.train.preflight import GB, MemoryEstimate, Sizes
 
 log = get_logger(__name__)
@@ -405,8 +406,6 @@ def resolve_auto(
 def resolve_placement(config: RunConfig, info: Any, target_config: Any = None) -> RunConfig:
     """`train`'s step for `parallel.placement = "auto"` on this rank (`info`: its DistInfo):
     the config of the plan's choice for this machine, logged by the main rank."""
-    from flashdraft.train.plan import build_drafter_config, load_target_config
-
     if target_config is None:
         target_config = load_target_config(config.target.path)
     drafter, _ = build_drafter_config(config, target_config)
@@ -420,3 +419,19 @@ def resolve_placement(config: RunConfig, info: Any, target_config: Any = None) -
             f"{plan.table()}"
         )
     return resolved
+
+
+def plan_for_run(config: RunConfig, gpus: int | None = None, gb: float | None = None) -> Plan:
+    """`flashdraft train --plan`: the plan of this run for `gpus` GPUs (None: this machine's)
+    of `gb` GB each (None: this GPU's free memory; on a machine without one, 80)."""
+    target_config = load_target_config(config.target.path)
+    drafter, _ = build_drafter_config(config, target_config)
+    if gpus is None:
+        gpus = max(1, torch.cuda.device_count())
+    if gb is not None:
+        capacity = gb * GB
+    elif torch.cuda.is_available():
+        capacity = device_capacity(torch.device("cuda", 0))
+    else:
+        capacity = 80.0 * GB
+    return plan_layouts(config, drafter, target_config, gpus, capacity)

@@ -86,3 +86,14 @@ def test_muon_is_never_sharded_and_split_keeps_one_target_row() -> None:
     shorter = layout.Layout("colocated", row_divisor=2).apply(config)
     assert shorter.data.row_tokens == 4096 and shorter.loss.anchors == 256
     assert shorter.optim.grad_accum == 2 * config.optim.grad_accum
+
+
+def test_train_plan_prints_the_layouts_and_the_chosen_overrides(tiny_qwen3_dir, capsys) -> None:
+    from flashdraft import cli
+
+    args = ["train", "--set", "output=unused", "--set", f"target.path={tiny_qwen3_dir}"]
+    args += ["--set", 'data.datasets=["unused"]', "--plan", "--plan-gpus", "4", "--plan-gb", "96"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: 4 GPU(s) of 96.0 GB" in out and "split 2 target + 2 drafter" in out
+    assert 'chosen: --set parallel.placement="colocated"' in out
