@@ -115,10 +115,6 @@ class FP8Linear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    def dequantized(self) -> Tensor:
-        """The weight the FP8 one stands for, [N, K] fp32 (tests, error bounds)."""
-        return self.weight.float() * self.weight_scale[:, None]
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
