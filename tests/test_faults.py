@@ -131,7 +131,8 @@ def test_train_killed_at_a_random_point_resumes_to_the_uninterrupted_run(
 
     _kill_when(["train", *settings], logged, delay, tmp_path / "stderr.txt")
     assert not (run / "export").exists()
-    assert cli.main(["train", *settings, "--resume"]) == 0
+    # =auto: the kill may come before the first checkpoint is complete (then the run starts)
+    assert cli.main(["train", *settings, "--resume=auto"]) == 0
     _same_run(run, reference_run)
 
 
@@ -373,3 +374,37 @@ def test_an_empty_input_is_one_line_and_leaves_nothing(tmp_path, tiny_qwen3_dir,
     assert cli.main([*argv, "--workers", "1", "--no-progress"]) == 2
     assert f"no records in {empty}" in _one_line_error(capsys, "prepare")
     assert not out.exists()
+
+
+def test_ctrl_c_checkpoints_at_the_next_log_point_without_a_traceback(
+    tmp_path, tiny_qwen3_dir, qwen_data, capfd, monkeypatch
+) -> None:
+    """SIGINT (Ctrl-C) in the first step, as SIGTERM: the run stops at the step-2 log point
+    with its checkpoint and exit status 143, no KeyboardInterrupt, and resumes."""
+    from flashdraft.train import trainer
+
+    sent = []
+
+    def interrupt_once(event: str, **fields: object) -> None:
+        if event == "row" and not sent:
+            sent.append(fields)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = tmp_path / "run"
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{**TRAIN, "optim.max_steps": 4})
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "trace", interrupt_once)
+        try:
+            code = cli.main(["train", *settings])
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C raised KeyboardInterrupt instead of stopping at a checkpoint")
+    err = capfd.readouterr().err  # the notice is written raw, to file descriptor 2
+    assert code == 143, err
+    assert "Ctrl-C: stopping at the next log point" in err
+    assert (
+        f"flashdraft train: stopped by SIGINT after step 2 of 4; checkpoint {run}/checkpoints/"
+        "step_00000002 written: run the same command with --resume to go on"
+    ) in err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
+    assert cli.main(["train", *settings, "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(run)] == [2, 4]

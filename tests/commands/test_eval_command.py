@@ -12,7 +12,7 @@ from flashdraft import cli
 from flashdraft.commands import eval as eval_command
 from flashdraft.export import save_dflash, save_speculators
 from flashdraft.model.drafter import DFlashDrafter
-from flashdraft.train.checkpoint import save_drafter
+from flashdraft.train.checkpoint import save_drafter, step_dir
 
 
 def _prompts(tmp_path) -> str:
@@ -98,3 +98,26 @@ def test_eval_flags_are_todays_and_bad_values_name_the_flag(tmp_path, capsys) ->
     assert err == "flashdraft eval: error: --max-new-tokens 0 is not allowed: must be >= 1\n"
     assert cli.main(["eval", *required, "--block-size", "0"]) == 2
     assert "--block-size 0" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_directory_says_which_checkpoint_it_read(
+    tmp_path, tiny_qwen3_dir, capsys
+) -> None:
+    """A damaged newest checkpoint (its marker garbage) is named and skipped, and the step
+    read is printed, before anything is measured (here: refused, a drafter of another
+    target, which is what makes this test fast)."""
+    run = str(tmp_path / "run")
+    config = tiny_config(vocab_size=151936, mask_token_id=151669)
+    for step in (100, 200):
+        save_drafter(step_dir(run, step), DFlashDrafter(config))
+    (tmp_path / "run" / "checkpoints" / "step_00000200" / "COMPLETE").write_text("{")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    argv = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", run]
+    argv += ["--prompts", str(prompts), "--output", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert f"skipping checkpoint {step_dir(run, 200)}: its COMPLETE marker does not parse" in (
+        captured.err
+    )
+    assert f"{run}: reading checkpoint step 100 ({step_dir(run, 100)})" in captured.out
