@@ -476,7 +476,7 @@ class StaticLM:
         """
         kv_len = kv_len or self.max_len
         if self.hybrid:
-            return self._hybrid_call(ids, positions, rows, kv_len, logits_at, fresh, keep)
+            return static_hybrid.forward(self, ids, positions, rows, kv_len, logits_at, fresh, keep)
         r, n = ids.shape
         # The compiled prefill parts take the call's tokens as one row
         # (`static_layers.prefill_project`).
@@ -532,69 +532,6 @@ class StaticLM:
                 taps[i] = x.view(r, n, -1) if flat else x
         if flat:
             x = x.view(r, n, -1)
-        if logits_at is not None:
-            x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
-        logits = self.lm_head(self.norm(x))
-        tapped = torch.cat([taps[i] for i in self.tap_ids], dim=-1) if self.tap_ids else None
-        return logits, tapped
-
-    def _hybrid_call(
-        self,
-        ids: Tensor,
-        positions: Tensor,
-        rows: Tensor | None,
-        kv_len: int,
-        logits_at: Tensor | None,
-        fresh: bool,
-        keep: bool,
-    ) -> tuple[Tensor, Tensor | None]:
-        """`__call__` for a hybrid target (`flashdraft.model.static_hybrid`)."""
-        r, n = ids.shape
-        x = self.embed(ids)
-        rope = self.rotary(x, positions)  # cos, sin [R, n, rotated dims]
-        mask: Any
-        if fresh:
-            mask = None  # causal within the call
-            self.reset_states(rows)
-        elif self.attention == "flex" and rows is None and n == 1:
-            mask = self._block_masks(positions, kv_len)[None]
-        elif self._flash_starts is not None and rows is None and n == 1:
-            mask = varlen.OwnSlots(self._flash_starts, positions, self.num_kv_heads)
-        else:
-            mask = self._masks(positions, kv_len)[None]
-        step = rows is None and not fresh and (n == 1 or keep)  # static shapes: graph-safe
-        pending = self._pending_for(n) if keep else None
-        if step:
-            lengths = None
-        elif logits_at is not None:
-            lengths = logits_at + 1
-        else:
-            lengths = torch.full((r,), n, dtype=torch.long, device=ids.device)
-        linear_step, project, finish = self._hybrid_parts
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
-        wanted = set(self.tap_ids)
-        taps: dict[int, Tensor] = {}
-        j = 0  # linear layers seen
-        for i, layer in enumerate(self.layers):
-            if self.linear[i]:
-                conv, state = self.conv[j], self.state[j]
-                if lengths is None:
-                    x = linear_step(layer, x, conv, state, None if pending is None else pending[j])
-                else:
-                    c0, s0 = (conv, state) if rows is None else (conv[rows], state[rows])
-                    x, c1, s1 = static_hybrid.linear_prefill(layer, x, c0, s0, lengths)
-                    if rows is None:
-                        conv.copy_(c1)
-                        state.copy_(s1)
-                    else:
-                        conv[rows], state[rows] = c1, s1
-                j += 1
-            else:
-                q, k, v, gate = project(layer, x, rope, shape)
-                out = self._attention(i, q, k, v, positions, mask, rows, kv_len)
-                x = finish(layer, x, out, gate)
-            if i in wanted:  # the output of decoder layer i (docs/design.md §3)
-                taps[i] = x
         if logits_at is not None:
             x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
         logits = self.lm_head(self.norm(x))

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashdraft.model import varlen
 from flashdraft.model.hybrid import LINEAR_ATTENTION, gated_delta_net_project, layer_types
 
 # text model types whose decoder layers are reproduced here
@@ -76,6 +77,70 @@ def unsupported_reason(model: Any) -> str | None:
 
 def is_moe(model: Any) -> bool:
     return any(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+
+
+def forward(
+    lm: Any,
+    ids: Tensor,
+    positions: Tensor,
+    rows: Tensor | None,
+    kv_len: int,
+    logits_at: Tensor | None,
+    fresh: bool,
+    keep: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """`StaticLM.__call__` for a hybrid target (its docstring says what each call keeps)."""
+    r, n = ids.shape
+    x = lm.embed(ids)
+    rope = lm.rotary(x, positions)  # cos, sin [R, n, rotated dims]
+    mask: Any
+    if fresh:
+        mask = None  # causal within the call
+        lm.reset_states(rows)
+    elif lm.attention == "flex" and rows is None and n == 1:
+        mask = lm._block_masks(positions, kv_len)[None]
+    elif lm._flash_starts is not None and rows is None and n == 1:
+        mask = varlen.OwnSlots(lm._flash_starts, positions, lm.num_kv_heads)
+    else:
+        mask = lm._masks(positions, kv_len)[None]
+    step = rows is None and not fresh and (n == 1 or keep)  # static shapes: graph-safe
+    pending = lm._pending_for(n) if keep else None
+    if step:
+        lengths = None
+    elif logits_at is not None:
+        lengths = logits_at + 1
+    else:
+        lengths = torch.full((r,), n, dtype=torch.long, device=ids.device)
+    linear_step, project, finish = lm._hybrid_parts
+    shape = (lm.num_heads, lm.num_kv_heads, lm.head_dim)
+    wanted = set(lm.tap_ids)
+    taps: dict[int, Tensor] = {}
+    j = 0  # linear layers seen
+    for i, layer in enumerate(lm.layers):
+        if lm.linear[i]:
+            conv, state = lm.conv[j], lm.state[j]
+            if lengths is None:
+                x = linear_step(layer, x, conv, state, None if pending is None else pending[j])
+            else:
+                c0, s0 = (conv, state) if rows is None else (conv[rows], state[rows])
+                x, c1, s1 = linear_prefill(layer, x, c0, s0, lengths)
+                if rows is None:
+                    conv.copy_(c1)
+                    state.copy_(s1)
+                else:
+                    conv[rows], state[rows] = c1, s1
+            j += 1
+        else:
+            q, k, v, gate = project(layer, x, rope, shape)
+            out = lm._attention(i, q, k, v, positions, mask, rows, kv_len)
+            x = finish(layer, x, out, gate)
+        if i in wanted:  # the output of decoder layer i (docs/design.md §3)
+            taps[i] = x
+    if logits_at is not None:
+        x = x.gather(1, logits_at[:, None, None].expand(-1, 1, x.shape[-1]))
+    logits = lm.lm_head(lm.norm(x))
+    tapped = torch.cat([taps[i] for i in lm.tap_ids], dim=-1) if lm.tap_ids else None
+    return logits, tapped
 
 
 # ---- gated full attention (Qwen3.5 / Qwen3-Next): q with an output gate, partial RoPE ----
