@@ -8,6 +8,7 @@ import torch
 
 from flashdraft import config as cfg
 from flashdraft.data.generate import GenerateConfig, Summary, generate
+from flashdraft.data.openai_backend import ServerError
 from flashdraft.log import get_logger
 
 log = get_logger(__name__)
@@ -26,6 +27,11 @@ def run(args: argparse.Namespace) -> int:
         log.info(summary.describe(config.output))
         log.warning("generate: interrupted; run the same command again to resume")
         return 130
+    except ServerError as err:  # the server is unusable or went down: one line, resumable
+        if summary.written or summary.failed:
+            log.info(summary.describe(config.output))
+        log.error(str(err))
+        return 1
     except torch.OutOfMemoryError:
         log.error(
             "generate: out of memory: lower --batch-size or set --max-batch-tokens, then run "
@@ -33,4 +39,7 @@ def run(args: argparse.Namespace) -> int:
         )
         raise
     log.info(summary.describe(config.output))
+    if summary.failed:
+        log.warning(f"generate: {summary.failed} prompts failed; run the same command again")
+        return 1
     return 0

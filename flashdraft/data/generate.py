@@ -16,7 +16,8 @@ an append-only log (`output_log.py`) whose records all carry the same `generatio
 the config fields tagged "generation" (`GenerateConfig.settings`).
 
 `generate(config)` is the whole command; `run_generation` is its loop over a given backend
-and tokenizer (tests, benchmarks).
+and tokenizer (tests, benchmarks), `run_openai` its loop over a running server's answers
+(`--backend openai`, `openai_backend.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,21 @@ from flashdraft.data.inference import (
     stop_token_ids,
 )
 from flashdraft.data.jobs import BadInput, Job, batch_seed, jobs_from_record, plan_batches, shard_of
-from flashdraft.data.output_log import OutputLog, make_record, rejected_url
+from flashdraft.data.openai_backend import (
+    Completion,
+    OpenAIClient,
+    ServerError,
+    ServerOptions,
+    request_body,
+)
+from flashdraft.data.output_log import (
+    OutputLog,
+    answer_record,
+    error_record,
+    errors_url,
+    make_record,
+    rejected_url,
+)
 from flashdraft.log import get_logger
 from flashdraft.model.hub import model_errors
 
@@ -74,7 +89,8 @@ class GenerateConfig:
     )
     thinking: Literal["on", "off"] = option(
         "off",
-        help="the chat template's thinking switch (enable_thinking) while rendering prompts",
+        help="the chat template's thinking switch (enable_thinking) while rendering prompts; "
+        "on is refused for a template without the switch",
         tags=_RECORDED,
     )
     sampling: Sampling = field(default_factory=Sampling)
@@ -92,12 +108,13 @@ class GenerateConfig:
         help="regenerate the last assistant turn of each conversation, or each one (the "
         "assistant turns inside a prompt record's prompt are context, never regenerated)",
     )
-    backend: Literal["auto", "hf", "static", "vllm"] = option(
+    backend: Literal["auto", "hf", "static", "openai"] = option(
         "auto",
         help="auto: static on cuda (static KV cache, continuous batching, CUDA graphs) for the "
-        "targets it supports, else hf; vllm (in-process vLLM, not covered by the tests) only "
-        "when asked for",
+        "targets it supports, else hf; openai: a running OpenAI-compatible server (vLLM, "
+        "SGLang, llama.cpp) at --base-url, only when asked for",
     )
+    server: ServerOptions = field(default_factory=ServerOptions)
     batch_size: int = option(
         32, ge=1, help="prompts per batch at most (static backend: prompts decoded at once)"
     )
@@ -119,8 +136,8 @@ class GenerateConfig:
     static_compile_prefill: bool = option(
         False,
         help="static backend on CUDA, with --static-compile: compile the prefill batches' "
-        "dense parts too (dynamic shapes; on an H200 within the noise of the eager prefill, "
-        "so off by default: docs/speed.md)",
+        "dense parts too (dynamic shapes; on an H200 50.0K tok/s vs 53.2K eager, within the "
+        "noise, so off by default: benchmarks/small_targets_h200_20261203_s17.md)",
     )
     static_min_admit: int = option(
         1,
@@ -142,7 +159,12 @@ class GenerateConfig:
     dtype: str = option(
         "auto", choices=DTYPE_CHOICES, help="auto: bfloat16 on cuda, float32 on cpu"
     )
-    vllm_kwargs: dict[str, Any] = option(factory=dict, help="JSON object for vllm.LLM(...)")
+    precision: Literal["bf16", "fp8"] = option(
+        "bf16",
+        help="the target's linear layers: bf16 (in --dtype) or fp8 (float8 weights and "
+        "per-token activations, as FP8 servers run it; CUDA sm_89+, emulated on the CPU); "
+        "fp8 records say so in their settings",
+    )
     progress: bool = option(True, help="progress bar on standard error (--no-progress: none)")
     keep_truncated: bool = option(
         False,
@@ -164,6 +186,20 @@ class GenerateConfig:
         match = _SHARD.fullmatch(self.shard)
         if match is None or int(match[1]) >= int(match[2]):
             raise cfg.ConfigError("shard", self.shard, "K/N with 0 <= K < N, e.g. 0/8")
+        if self.backend == "openai" and not self.server.base_url:
+            raise cfg.ConfigError(
+                "base_url",
+                None,
+                "--backend openai needs the server's URL, e.g. http://localhost:8000/v1",
+            )
+        if self.server.answers_per_prompt > 1 and (
+            self.backend != "openai" or self.sampling.greedy
+        ):
+            raise cfg.ConfigError(
+                "answers_per_prompt",
+                self.server.answers_per_prompt,
+                "more than 1 needs --backend openai and a --temperature above 0",
+            )
 
     @property
     def shard_index(self) -> int:
@@ -183,6 +219,8 @@ class GenerateConfig:
         settings["target"] = os.path.basename(self.target.rstrip("/"))
         settings["thinking"] = self.thinking == "on"
         settings["stop_token_ids"] = stop_ids
+        if self.precision != "bf16":  # absent in bf16: earlier outputs stay resumable
+            settings["precision"] = self.precision
         return settings
 
 
@@ -192,7 +230,8 @@ class GenerateConfig:
 def read_jobs(config: GenerateConfig, done: set[str], summary: Summary) -> Iterator[Job | BadInput]:
     """Jobs still to do, in input order, and the bad input lines (counted by the caller)."""
     # Never read our own output back as input (an input directory may hold it).
-    own = {storage.filesystem(u)[1] for u in (config.output, rejected_url(config.output))}
+    outputs = (config.output, rejected_url(config.output), errors_url(config.output))
+    own = {storage.filesystem(u)[1] for u in outputs}
     urls = [u for u in storage.expand_inputs(config.prompts) if storage.filesystem(u)[1] not in own]
     seen: set[str] = set()
     for url in urls:
@@ -226,33 +265,49 @@ def read_jobs(config: GenerateConfig, done: set[str], summary: Summary) -> Itera
 
 
 def load_chat_tokenizer(target: str, thinking: bool) -> Any:
-    """The target's tokenizer, which must have a chat template (warns when `thinking` is
-    asked of a template without the switch)."""
+    """The target's tokenizer, which must have a chat template, and a thinking switch when
+    `thinking` is asked for (else every record would say `"thinking": true` of a target
+    that thinks, or not, as its template decides)."""
     with model_errors(target, "--target"):
         tokenizer = AutoTokenizer.from_pretrained(target)
-    template = tokenizer.chat_template or ""
-    if not template:
+    if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {target} has no chat template")
-    if thinking and "enable_thinking" not in template:
-        log.warning(
-            "generate: the chat template has no enable_thinking switch; "
-            "the target thinks (or not) as its template decides"
+    if thinking and not has_thinking_switch(tokenizer):
+        raise ValueError(
+            f"--thinking on: the chat template of {target} has no thinking switch "
+            "(enable_thinking); use --thinking off (the template decides whether it thinks)"
         )
     return tokenizer
 
 
-def render_prompt(tokenizer: Any, prompt: list[Message], thinking: bool) -> list[int]:
+def has_thinking_switch(tokenizer: Any) -> bool:
+    return "enable_thinking" in (tokenizer.chat_template or "")
+
+
+def render_prompt(
+    tokenizer: Any,
+    prompt: list[Message],
+    thinking: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Prompt token ids through the target's chat template, generation prompt appended.
 
     `enable_thinking` is read by templates with a thinking switch (Qwen3), ignored by others.
     """
-    return encode_texts(tokenizer, [prompt_text(tokenizer, prompt, thinking)])[0]
+    return encode_texts(tokenizer, [prompt_text(tokenizer, prompt, thinking, tools)])[0]
 
 
-def prompt_text(tokenizer: Any, prompt: list[Message], thinking: bool) -> str:
-    """The prompt through the target's chat template, generation prompt appended, as text."""
+def prompt_text(
+    tokenizer: Any,
+    prompt: list[Message],
+    thinking: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt through the target's chat template, generation prompt appended, as text
+    (with the record's `tools`, as `prepare` renders it)."""
     text = tokenizer.apply_chat_template(
         [m.to_openai() for m in prompt],
+        tools=tools,
         tokenize=False,
         add_generation_prompt=True,
         enable_thinking=thinking,
@@ -290,6 +345,11 @@ class Summary:
     tokenize_s: float = 0.0  # inside `seconds`: prompts through the template and tokenizer
     bad_examples: list[str] = field(default_factory=list)
     backend: str = ""  # the backend's name, once it is loaded
+    # --backend openai: tries beyond the first, prompts written to OUT.errors.jsonl, and
+    # prompts whose token count the server saw differently (its template differs).
+    retries: int = 0
+    failed: int = 0
+    template_mismatches: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -317,6 +377,15 @@ class Summary:
                 f"  {self.generated_tokens} tokens generated in {self.seconds:.1f} s "
                 f"= {self.tokens_per_s:.1f} tok/s ({self.backend}; prompts tokenized in "
                 f"{self.tokenize_s:.1f} s of it; backend loaded in {self.load_s:.1f} s)",
+                *(
+                    [
+                        f"  requests: {self.retries} retries, {self.failed} failed (in "
+                        f"{errors_url(output)}; run again to retry them), "
+                        f"{self.template_mismatches} prompts counted differently by the server"
+                    ]
+                    if self.backend == "openai"
+                    else []
+                ),
             ]
         )
 
@@ -342,6 +411,8 @@ def generate(
     output = OutputLog(config.output)
     output.check_settings(config.settings(stop_ids))
     summary = summary if summary is not None else Summary()
+    if config.backend == "openai":
+        return run_openai(config, tokenizer, stop_ids, output=output, summary=summary)
     if backend is None:
         started = time.perf_counter()
         backend = open_backend(config)
@@ -355,6 +426,8 @@ def generate(
 
 def open_backend(config: GenerateConfig) -> GenerationBackend:
     """The backend `generate(config)` loads, to pass to several `generate` calls."""
+    if config.backend == "openai":
+        raise ValueError("--backend openai answers through a server: call generate(config)")
     tokenizer = load_chat_tokenizer(config.target, config.thinking == "on")
     stop_ids = stop_token_ids(config.target, config.stop_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
@@ -366,7 +439,7 @@ def open_backend(config: GenerateConfig) -> GenerationBackend:
         pad_id,
         device=config.device,
         dtype=config.dtype,
-        vllm_kwargs=config.vllm_kwargs,
+        precision=config.precision,
         batch_size=config.batch_size,
         max_batch_tokens=config.max_batch_tokens,
         static_attention=config.static_attention,
@@ -391,12 +464,7 @@ def run_generation(
     settings = config.settings(backend.stop_ids)
     output = output if output is not None else OutputLog(config.output)
     output.check_settings(settings)
-    if output.done:
-        log.info(f"generate: resuming, {len(output.done)} ids already done")
-    if output.dropped_bytes:
-        log.warning(f"generate: dropped a partial last line ({output.dropped_bytes} B)")
-    if output.unreadable_lines:
-        log.warning(f"generate: {output.unreadable_lines} unreadable output lines")
+    _report_resume(output)
     bar = _progress(config.progress)
     start = time.perf_counter()
     try:
@@ -441,6 +509,161 @@ def run_generation(
     return summary
 
 
+def run_openai(
+    config: GenerateConfig,
+    tokenizer: Any,
+    stop_ids: list[int],
+    *,
+    output: OutputLog | None = None,
+    summary: Summary | None = None,
+    client: OpenAIClient | None = None,
+) -> Summary:
+    """Every pending prompt of `config` answered by the server at `--base-url` into its
+    output (`--backend openai`); returns the counts (`summary`, filled in place).
+
+    Each answer is appended (and fsynced) as it arrives, so a kill loses only the requests
+    in flight, which a re-run sends again; a request that failed after its last retry goes
+    to OUT.errors.jsonl and is sent again by a re-run too. `tokenizer` (the target's, which
+    `prepare` will use) renders each prompt only to count its tokens, compared with the
+    server's count. Raises ServerError when the server is unusable at the start, or looks
+    down (as many requests in a row failed as are in flight, at least 4).
+    """
+    summary = summary if summary is not None else Summary()
+    summary.backend = "openai"
+    settings = config.settings(stop_ids)
+    output = output if output is not None else OutputLog(config.output)
+    output.check_settings(settings)
+    _report_resume(output)
+    owned = client is None
+    client = client if client is not None else OpenAIClient(config.server)
+    thinking = config.thinking == "on" if has_thinking_switch(tokenizer) else None
+
+    def body(job: Job, sampling: Sampling = config.sampling) -> dict[str, Any]:
+        return request_body(
+            [m.to_openai() for m in job.prompt],
+            job.tools,
+            sampling,
+            seed=batch_seed(config.seed, [job.id]) % 2**31,  # the same per job on a re-run
+            n=config.server.answers_per_prompt,
+            thinking=thinking,
+            stop_token_ids=config.stop_token_ids,
+        )
+
+    def requests() -> Iterator[tuple[tuple[Job, int], dict[str, Any]]]:
+        for window in _windows(
+            read_jobs(config, output.done, summary), config.sort_window, summary
+        ):
+            started = time.perf_counter()
+            jobs, prompts = _tokenize(window, tokenizer, config, None, summary)
+            summary.tokenize_s += time.perf_counter() - started
+            for job, ids in zip(jobs, prompts, strict=True):
+                yield (job, len(ids)), body(job)
+
+    bar = _progress(config.progress)
+    start = time.perf_counter()
+    try:
+        hello = Job("probe", "probe", [Message("user", "Hello")])
+        probe = client.probe(body(hello, dataclasses.replace(config.sampling, max_new_tokens=1)))
+        summary.load_s = time.perf_counter() - start
+        summary.retries += probe.retries
+        ours = len(render_prompt(tokenizer, hello.prompt, config.thinking == "on"))
+        _check_template(probe, ours, config.target, "a one-line prompt")
+        log.info(f"generate: {config.server.base_url} serves {client.model}")
+        in_a_row = 0  # transient failures since the last answer
+        for (job, prompt_tokens), result in client.complete_all(requests()):
+            summary.retries += result.retries
+            if isinstance(result, Completion):
+                in_a_row = 0
+                _write_answers(job, prompt_tokens, result, config, settings, output, summary)
+                bar.update(result.completion_tokens or 0)
+                if summary.template_mismatches == 0:
+                    _check_template(result, prompt_tokens, config.target, job.id)
+                summary.template_mismatches += result.prompt_tokens not in (None, prompt_tokens)
+            else:
+                summary.failed += 1
+                output.append("errors", [error_record(job, result.error, result.retries, settings)])
+                if summary.failed <= _MAX_EXAMPLES:
+                    log.warning(f"generate: {job.id} failed: {result.error}")
+                in_a_row = in_a_row + 1 if result.transient else 0
+                if in_a_row >= max(4, config.server.concurrency):
+                    raise ServerError(
+                        f"generate: {in_a_row} requests in a row failed (last: {result.error}); "
+                        "the server looks down: run the same command again when it is back "
+                        "(the answers written are kept)"
+                    )
+            bar.set_postfix(
+                written=summary.written,
+                rejected=sum(summary.rejected.values()),
+                failed=summary.failed,
+            )
+    finally:
+        summary.seconds = time.perf_counter() - start
+        bar.close()
+        output.close()
+        if owned:
+            client.close()
+    return summary
+
+
+def _write_answers(
+    job: Job,
+    prompt_tokens: int,
+    result: Completion,
+    config: GenerateConfig,
+    settings: dict[str, Any],
+    output: OutputLog,
+    summary: Summary,
+) -> None:
+    """One record per answer of `result` (ids ID, ID~1, ...), appended in one write."""
+    kept: dict[str, list[dict[str, Any]]] = {"ok": [], "rejected": []}
+    one = len(result.replies) == 1  # usage counts all the answers of a request together
+    for k, reply in enumerate(result.replies):
+        record, reason = answer_record(
+            job,
+            text=reply.text,
+            finish_reason=reply.finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=result.completion_tokens if one else None,
+            settings=settings,
+            keep_truncated=config.keep_truncated,
+            reasoning=reply.reasoning,
+            tool_calls=reply.tool_calls,
+            record_id=job.id if k == 0 else f"{job.id}~{k}",
+        )
+        kept["ok" if reason is None else "rejected"].append(record)
+        if reason is not None:
+            summary.rejected[reason] += 1
+        elif reply.finish_reason == "length":
+            summary.truncated_kept += 1
+    # Answer 0 last: its id marks the prompt done, so a cut write leaves it to be redone.
+    first = "ok" if kept["ok"] and kept["ok"][0]["id"] == job.id else "rejected"
+    for key in sorted(kept, key=lambda key: key == first):
+        output.append(key, kept[key][::-1])
+    summary.written += len(kept["ok"])
+    summary.prompt_tokens += prompt_tokens
+    summary.generated_tokens += result.completion_tokens or 0
+
+
+def _check_template(result: Completion, ours: int, target: str, what: str) -> None:
+    if result.prompt_tokens is None or result.prompt_tokens == ours:
+        return
+    log.warning(
+        f"generate: the server counts {result.prompt_tokens} prompt tokens in {what}, the "
+        f"tokenizer of {target} (which prepare will use) {ours}: its chat template or "
+        "tokenizer differs, so the answers follow prompts the drafter is not trained on; "
+        "serve the target's own template (or pass its tokenizer as --target)"
+    )
+
+
+def _report_resume(output: OutputLog) -> None:
+    if output.done:
+        log.info(f"generate: resuming, {len(output.done)} ids already done")
+    if output.dropped_bytes:
+        log.warning(f"generate: dropped a partial last line ({output.dropped_bytes} B)")
+    if output.unreadable_lines:
+        log.warning(f"generate: {output.unreadable_lines} unreadable output lines")
+
+
 def _report_bad(bad: BadInput, summary: Summary) -> None:
     summary.bad_inputs += 1
     if len(summary.bad_examples) < _MAX_EXAMPLES:
@@ -474,7 +697,7 @@ def _tokenize(
     texts: list[str] = []
     for job in window:
         try:
-            texts.append(prompt_text(tokenizer, job.prompt, config.thinking == "on"))
+            texts.append(prompt_text(tokenizer, job.prompt, config.thinking == "on", job.tools))
         except (TemplateError, ValueError) as err:  # e.g. a template's raise_exception
             _report_bad(BadInput(job.source, f"chat template failed: {err}"), summary)
             continue

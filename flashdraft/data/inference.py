@@ -1,17 +1,15 @@
 """Batched generation with the target: prompt token ids in, generated token ids out.
 
-Three backends behind one small interface, so `generate` writes identical records with any:
+Two in-process backends behind one small interface, so `generate` writes identical records
+with either (a running server's answers come through `openai_backend.py` instead):
 
 * `HFBackend`: transformers `generate` on left-padded batches with its KV cache, on any device.
   The reference: its greedy output equals `model.generate` on each prompt alone.
 * `StaticBackend`: continuous batching in the slots of a static KV cache, the decode step
-  captured as CUDA graphs (`flashdraft.data.fast_inference`); the fast path on GPUs when vLLM
-  is not installed, for the target layouts `flashdraft.model.static` supports. Its greedy
+  captured as CUDA graphs (`flashdraft.data.fast_inference`); the fast path on GPUs, for the
+  target layouts `flashdraft.model.static` supports. Its greedy
   output equals the HF backend's (tested on CPU); at T > 0 a request's tokens depend only on
   its seed, not on the requests it shared steps with.
-* `VLLMBackend`: vLLM offline inference (continuous batching, the fast path on GPUs).
-  UNTESTED: vllm cannot be installed where this repository's tests run.
-
 All stop on the same ids: the target's generation_config eos ids (the real end of turn; a
 tokenizer's `eos_token` can be wrong, e.g. SmolLM2's names `<|im_start|>` in some versions)
 plus any extra ids the user gives.
@@ -19,7 +17,6 @@ plus any extra ids the user gives.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -215,7 +212,7 @@ class StaticBackend:
     The cache holds slots x (longest prompt + max_new_tokens + a window) positions, sized on
     the first call and grown when a later call needs longer rows; `max_batch_tokens` caps
     slots x row length (fewer slots for long prompts), as it caps the HF backend's batches.
-    Request i of a call samples with seed `seed + i` (as vLLM's backend does).
+    Request i of a call samples with seed `seed + i`.
     """
 
     name = "static"
@@ -303,67 +300,9 @@ class StaticBackend:
         return out
 
 
-class VLLMBackend:
-    """vLLM offline inference, only when asked for (`--backend vllm`): no test runs it (vllm is
-    not installable on the CPU CI), so `auto` never picks it.
-
-    Kept small on purpose: vLLM gets the same prompt token ids, sampling settings and stop
-    ids (`ignore_eos` so that its own idea of eos does not add to them), and its output ids go
-    through the same `finish` as the HF backend's. vLLM samples each request on its own, so
-    request i of a call is seeded with `seed + i`.
-    """
-
-    name = "vllm"
-    schedules_batches = True
-
-    def __init__(
-        self,
-        target: str,
-        sampling: Sampling,
-        stop_ids: list[int],
-        *,
-        dtype: str = "auto",
-        engine_kwargs: dict[str, Any] | None = None,
-    ):
-        from vllm import LLM, SamplingParams
-
-        self.sampling = sampling
-        self.stop_ids = stop_ids
-        self._params = SamplingParams
-        self.llm = LLM(model=target, dtype=dtype, **(engine_kwargs or {}))
-        self.max_positions: int | None = int(self.llm.llm_engine.model_config.max_model_len)
-
-    def generate(
-        self, prompts: list[list[int]], seed: int, on_tokens: Callable[[int], None]
-    ) -> list[Generated]:
-        s = self.sampling
-        params = [
-            self._params(
-                temperature=s.temperature,
-                top_p=1.0 if s.greedy else s.top_p,
-                top_k=-1 if s.greedy or s.top_k == 0 else s.top_k,
-                max_tokens=s.max_new_tokens,
-                stop_token_ids=self.stop_ids,
-                ignore_eos=True,
-                seed=(seed + i) % 2**63,
-                detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
-        requests = [{"prompt_token_ids": p} for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        stop = set(self.stop_ids)
-        results = [
-            finish(o.outputs[0].token_ids, stop, o.outputs[0].finish_reason == "stop")
-            for o in outputs
-        ]
-        on_tokens(sum(r.num_generated for r in results))
-        return results
-
-
 def auto_backend(model: Any, device: str) -> str:
     """What `--backend auto` runs for a loaded target: static on a GPU where it supports the
-    target, else hf (never vllm: see `load_backend`)."""
+    target, else hf (never openai: a server is only used when asked for)."""
     if not device.startswith("cuda"):
         return "hf"
     reason = unsupported_reason(model)
@@ -381,7 +320,7 @@ def load_backend(
     *,
     device: str | None = None,
     dtype: str = "auto",
-    vllm_kwargs: dict[str, Any] | None = None,
+    precision: str = "bf16",
     batch_size: int = 32,
     max_batch_tokens: int | None = None,
     static_attention: str = "varlen",
@@ -389,19 +328,14 @@ def load_backend(
     static_min_admit: int = 1,
     static_compile_prefill: bool = False,
 ) -> GenerationBackend:
-    """`auto` is, on a GPU, the static backend when it supports the target, else HF; it never
-    picks vLLM, whose backend no test here runs (`--backend vllm` asks for it explicitly).
-    `batch_size` is the static backend's number of slots (the HF backend gets its batches
-    from `generate`)."""
-    if name not in ("auto", "hf", "static", "vllm"):
-        raise ValueError(f"unknown backend {name!r} (auto, hf, static, vllm)")
+    """An in-process backend: `auto` is, on a GPU, the static backend when it supports the
+    target, else HF. `batch_size` is the static backend's number of slots (the HF backend gets
+    its batches from `generate`). `precision`: the target's linear layers (bf16 or fp8,
+    `flashdraft.model.fp8`)."""
+    if name not in ("auto", "hf", "static"):
+        raise ValueError(f"unknown in-process backend {name!r} (auto, hf, static)")
     device = default_device(device)
-    if name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError("--backend vllm, but vllm is not installed (pip install vllm)")
-        log.warning("generate: the vLLM backend is not covered by flashdraft's tests")
-        return VLLMBackend(target, sampling, stop_ids, dtype=dtype, engine_kwargs=vllm_kwargs)
-    model = load_target(target, resolve_dtype(dtype, device), None, device)
+    model = load_target(target, resolve_dtype(dtype, device), None, device, precision)
     if name == "auto":
         name = auto_backend(model, device)
     if name == "static":

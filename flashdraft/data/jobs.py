@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from flashdraft.data.formats import Message, RecordError, parse_prompt, record_id
+from flashdraft.data.formats import Message, RecordError, parse_prompt, record_id, record_tools
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class Job:
     id: str
     source: str  # file:line
     prompt: list[Message]  # the conversation before the regenerated turn
+    tools: list[dict[str, Any]] | None = None  # the record's function schemas, for the template
 
 
 @dataclass(slots=True)
@@ -62,8 +63,8 @@ def jobs_from_record(record: Any, source: str, turns: str) -> list[Job]:
     if not answers:
         raise RecordError("no assistant turn to regenerate (a prompt's turns are context)")
     chosen = answers[-1:] if turns == "last" else answers
-    key = record_key(record)
-    return [Job(f"{key}#{i}", source, conversation[:i]) for i in chosen]
+    key, tools = record_key(record), record_tools(record)
+    return [Job(f"{key}#{i}", source, conversation[:i], tools) for i in chosen]
 
 
 def shard_of(job_id: str, num_shards: int) -> int:

@@ -3,9 +3,11 @@
 A kept answer becomes a prompt/completion record that `prepare` reads as it is; a truncated
 (`finish_reason == "length"`), empty or unclosed-thinking answer goes to `OUT.rejected.jsonl`
 with a `reason` and the raw `text` but no `completion`, so `prepare` can never train on it by
-accident. Both files are append-only, one complete line per record, flushed and fsynced per
-batch; a line cut by a crash is dropped when the log is opened again, and the ids already
-written are skipped, rejected ones included (they are not retried).
+accident. A request to a server that failed after its last retry (`--backend openai`) goes to
+`OUT.errors.jsonl` with its error. All three files are append-only, one complete line per
+record, flushed and fsynced per batch; a line cut by a crash is dropped when the log is opened
+again, and the ids already written are skipped, rejected ones included (they are not retried);
+failed ones are tried again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ _THINK_CLOSE = "</think>"
 
 def rejected_url(output: str) -> str:
     return output.removesuffix(".jsonl") + ".rejected.jsonl"
+
+
+def errors_url(output: str) -> str:
+    return output.removesuffix(".jsonl") + ".errors.jsonl"
 
 
 def split_reasoning(text: str) -> tuple[str | None, str, bool]:
@@ -52,29 +58,88 @@ def make_record(
     settings: dict[str, Any],
     keep_truncated: bool = False,
 ) -> tuple[dict[str, Any], str | None]:
-    """The output record of one job and why to reject it (None: keep it)."""
-    reasoning, answer, closed = split_reasoning(text)
+    """The output record of one job answered by an in-process backend, and why to reject it
+    (None: keep it)."""
+    return answer_record(
+        job,
+        text=text,
+        finish_reason=out.finish_reason,
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=out.num_generated,
+        settings=settings,
+        keep_truncated=keep_truncated,
+    )
+
+
+def answer_record(
+    job: Job,
+    *,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int | None,
+    settings: dict[str, Any],
+    keep_truncated: bool = False,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    record_id: str | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """The output record of one answer and why to reject it (None: keep it).
+
+    `reasoning`: the server's parsed reasoning (then `text` is the answer alone); None
+    splits a `<think>` block off `text`. An answer with `tool_calls` is written as a
+    one-message completion list (the assistant turn with its calls), which `prepare` reads
+    as the trained turn; an answer without text is kept when it calls a tool.
+    """
+    parsed = reasoning is not None  # the server split it off
+    if not parsed:
+        reasoning, answer, closed = split_reasoning(text)
+    else:
+        answer, closed = text, True
     reason = None
-    if out.finish_reason == "length" and not (keep_truncated and closed and answer.strip()):
+    if finish_reason == "length" and not (keep_truncated and closed and answer.strip()):
         reason = "length"
     elif not closed:
         reason = "unclosed_think"
-    elif not answer.strip():
+    elif not answer.strip() and not tool_calls:
         reason = "empty"
-    record: dict[str, Any] = {"id": job.id, "source": job.source}
+    record: dict[str, Any] = {"id": record_id or job.id, "source": job.source}
     record["prompt"] = [m.to_openai() for m in job.prompt]
-    if reason is None:
+    if job.tools:
+        record["tools"] = job.tools
+    if reason is None and tool_calls:
+        turn: dict[str, Any] = {"role": "assistant", "content": answer, "tool_calls": tool_calls}
+        if reasoning is not None:
+            turn["reasoning_content"] = reasoning
+        record["completion"] = [turn]
+    elif reason is None:
         record["completion"] = answer
         if reasoning is not None:
             record["reasoning"] = reasoning
     else:
         record["reason"] = reason
         record["text"] = text  # raw, to inspect; deliberately not a `completion`
-    record["finish_reason"] = out.finish_reason
-    record["prompt_tokens"] = len(prompt_ids)
-    record["completion_tokens"] = out.num_generated
+        if parsed:
+            record["reasoning"] = reasoning
+        if tool_calls:
+            record["tool_calls"] = tool_calls
+    record["finish_reason"] = finish_reason
+    record["prompt_tokens"] = prompt_tokens
+    record["completion_tokens"] = completion_tokens
     record["generation"] = settings
     return record, reason
+
+
+def error_record(job: Job, error: str, retries: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """A prompt whose request failed after its last retry (`--backend openai`): written to
+    `OUT.errors.jsonl`, never counted as done, so running the command again retries it."""
+    return {
+        "id": job.id,
+        "source": job.source,
+        "error": error,
+        "retries": retries,
+        "generation": settings,
+    }
 
 
 def drop_partial_line(url: str) -> int:
@@ -108,7 +173,8 @@ def drop_partial_line(url: str) -> int:
 
 
 class OutputLog:
-    """The output and its rejected side file: append-only JSONL, fsynced per batch.
+    """The output and its side files (rejected answers, failed requests): append-only JSONL,
+    fsynced per batch.
 
     Opening it repairs a crash (drops a partial last line) and reads the ids already done.
     Local files are appended in place. Other fsspec URLs use fsspec's "ab" mode, which object
@@ -118,15 +184,15 @@ class OutputLog:
     """
 
     def __init__(self, output: str):
-        self.urls = {"ok": output, "rejected": rejected_url(output)}
+        self.urls = {"ok": output, "rejected": rejected_url(output), "errors": errors_url(output)}
         self.done: set[str] = set()
         self.settings: set[str] = set()  # canonical JSON of each `generation` seen
         self.dropped_bytes = 0
         self.unreadable_lines = 0
         self._files: dict[str, Any] = {}
-        for url in self.urls.values():
+        for key, url in self.urls.items():
             self.dropped_bytes += drop_partial_line(url)
-            if storage.exists(url):
+            if key != "errors" and storage.exists(url):  # failed requests are retried
                 self._read(url)
 
     def _read(self, url: str) -> None:

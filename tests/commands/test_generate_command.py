@@ -18,7 +18,9 @@ FLAGS = [
     "--top-k", "--max-new-tokens", "--batch-size", "--max-batch-tokens", "--static-attention",
     "--no-static-compile", "--static-compile-prefill", "--static-min-admit", "--sort-window",
     "--limit", "--seed", "--shard", "--stop-token-ids", "--backend", "--device", "--dtype",
-    "--vllm-kwargs", "--no-progress", "--keep-truncated",
+    "--no-progress", "--keep-truncated", "--base-url", "--model", "--api-key-env",
+    "--concurrency", "--answers-per-prompt", "--request-timeout", "--max-retries",
+    "--retry-backoff", "--precision",
 ]  # fmt: skip
 REQUIRED = ["--target", "t", "--prompts", "p.jsonl", "--output", "o.jsonl"]
 
@@ -46,13 +48,19 @@ def test_defaults_are_the_config_defaults() -> None:
 def test_flags_keep_their_spelling_and_meaning() -> None:
     argv = ["--target", "t", "--output", "o.jsonl", "--prompts", "a.jsonl", "b/"]
     argv += ["--thinking", "on", "--shard", "2/8"]
-    argv += ["--vllm-kwargs", '{"tensor_parallel_size": 2}', "--stop-token-ids", "7", "9"]
+    argv += ["--backend", "openai", "--base-url", "http://h:8000/v1", "--model", "m"]
+    argv += ["--concurrency", "32", "--max-retries", "2", "--stop-token-ids", "7", "9"]
     argv += ["--temperature", "0.6", "--top-k", "20", "--dtype", "bfloat16", "--no-progress"]
     config = cfg.from_args(GenerateConfig, parser().parse_args(argv))
     assert config.prompts == ["a.jsonl", "b/"]
     assert config.thinking == "on" and config.settings([2])["thinking"] is True
     assert (config.shard_index, config.num_shards) == (2, 8)
-    assert config.vllm_kwargs == {"tensor_parallel_size": 2}
+    assert (config.backend, config.server.base_url, config.server.model) == (
+        "openai",
+        "http://h:8000/v1",
+        "m",
+    )
+    assert (config.server.concurrency, config.server.max_retries) == (32, 2)
     assert config.stop_token_ids == [7, 9]
     assert config.sampling == Sampling(temperature=0.6, top_k=20)
     assert (config.dtype, config.progress) == ("bfloat16", False)
@@ -65,7 +73,8 @@ def test_flags_keep_their_spelling_and_meaning() -> None:
         (["--top-p", "0"], "--top-p 0.0 is not allowed: must be > 0 and <= 1"),
         (["--temperature", "-1"], "--temperature -1.0 is not allowed: must be >= 0"),
         (["--batch-size", "0"], "--batch-size 0 is not allowed: must be >= 1"),
-        (["--vllm-kwargs", "[1]"], "--vllm-kwargs [1] is not allowed: expected a table"),
+        (["--backend", "openai"], "--base-url None is not allowed: --backend openai needs"),
+        (["--concurrency", "0"], "--concurrency 0 is not allowed: must be >= 1"),
         (["--output", "o.jsonl.gz"], "--output 'o.jsonl.gz' is not allowed: a plain .jsonl"),
     ],
 )
@@ -77,6 +86,6 @@ def test_a_bad_value_names_its_flag(
 
 
 def test_argparse_refuses_what_it_can_parse() -> None:
-    for bad in (["--thinking", "maybe"], ["--dtype", "int4"], ["--vllm-kwargs", "{no"]):
+    for bad in (["--thinking", "maybe"], ["--dtype", "int4"], ["--backend", "vllm"]):
         with pytest.raises(SystemExit):
             parser().parse_args([*REQUIRED, *bad])
