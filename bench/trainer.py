@@ -21,6 +21,7 @@ the linear layers). `--target-layers N` shortens the target if it does not fit (
 
     python bench/trainer.py                                          # on a GPU
     python bench/trainer.py --geometry 27b-hybrid --compare-paths    # the issue-20 numbers
+    python bench/trainer.py --precision fp8                          # the target in FP8
     python bench/trainer.py --smoke [--geometry 27b-hybrid]          # tiny, CPU, checks it runs
 """
 
@@ -144,6 +145,7 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
         "log.progress=false",
         f"parallel.overlap={str(overlap).lower()}",
         f"compile={str(not args.no_compile).lower()}",
+        f"target.precision={args.precision}",
         *args.set,
     ]
     config = load_run_config(None, overrides)
@@ -239,6 +241,14 @@ def parse() -> argparse.Namespace:
         "dense targets, target.default_attention), or flex with the document BlockMask (the "
         "default of the records before 2026-12-02); hybrids run sdpa either way",
     )
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="target.precision: the target's decoder-layer linear layers in bf16, or in FP8 "
+        "(e4m3 weights with per-channel scales, per-token activation scales, torch._scaled_mm; "
+        "converted in place after the bf16 build); MFU stays against the bf16 matmul peak",
+    )
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--no-compile", action="store_true")
@@ -328,6 +338,7 @@ def first_step(args: argparse.Namespace, device: torch.device) -> int:
         "first_step_s": round(times[0], 1),
         "second_step_s": round(times[1], 3),  # the drafter's alone when the target ran ahead
         "target_forward_rows": trainer.config.target.forward_rows,
+        "target_precision": args.precision,
         "first_two_target_s": round(target, 1),
         "first_two_drafter_s": round(drafter, 1),
         "graphs": unique_graphs(),
@@ -406,6 +417,7 @@ def main() -> int:
             "bench": "trainer",
             "peak_tflops": round(peak / 1e12, 1),
             "target_attention": model.config._attn_implementation,
+            "target_precision": args.precision,
             "flex_options": args.flex_options,
             **summary,
             "results": results,
