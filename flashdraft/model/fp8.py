@@ -140,6 +140,16 @@ def fp8_linear_names(layers: nn.ModuleList) -> list[str]:
     ]
 
 
+def fp8_weight_count(layers: nn.ModuleList) -> int:
+    """Elements of the weights `quantize_linears` converts (memory plans: 1 byte each)."""
+    total = 0
+    for name in fp8_linear_names(layers):
+        module = layers.get_submodule(name)
+        assert isinstance(module, nn.Linear)
+        total += module.weight.numel()
+    return total
+
+
 def quantize_linears(layers: nn.ModuleList) -> int:
     """Replace the convertible linear layers of `layers` by `FP8Linear`s, in place, one at a
     time (each bf16 weight is freed as its FP8 copy is made, when nothing else holds it).
