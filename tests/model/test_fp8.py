@@ -403,3 +403,18 @@ def test_the_compiled_fp8_target_on_cuda(tiny_qwen3_dir, scope) -> None:
         assert relative(b.features, a.features) < 2e-2
         assert float((a.next_tokens == b.next_tokens).float().mean()) > 0.95
     target.taps.remove()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_static_decoding_runs_an_fp8_target_without_fusing_it(kind) -> None:
+    """The static KV-cache forward (eval's and generate's fast loops) over FP8 layers: its
+    start-up check against the HF forward of the same FP8 model passes, and the q/k/v and
+    gate/up weights are never concatenated (an FP8Linear is no nn.Linear, so
+    `static_layers.fusable` says no)."""
+    from flashdraft.model.static import StaticLM
+
+    model = tiny_llama() if kind == "llama" else tiny_hybrid(kind)
+    set_precision(model, "fp8")
+    lm = StaticLM(model, 1, 64, [1, 2])
+    assert lm.fuse_projections() is False
+    lm.verify()
