@@ -27,6 +27,7 @@ from flashdraft.benchutil import environment, measure, print_json, print_table, 
 from flashdraft.data.fast_inference import PhaseTimes, SlotDecoder, cache_length
 from flashdraft.eval.fast import StaticDecoder, cache_slots
 from flashdraft.eval.speculative import Decoder, decode
+from flashdraft.model import static_hybrid
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import init_seeded
 from flashdraft.model.graphs import capture
@@ -49,6 +50,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hf-rows", type=int, default=32)
     p.add_argument("--hf-new", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="no HF baselines")
+    p.add_argument(
+        "--compare-step",
+        action="store_true",
+        help="also time generate with the delta rule's decode step as torch ops (not the "
+        "fused Triton kernel)",
+    )
     p.add_argument("--memory-fraction", type=float, default=None, help="cap the GPU's memory")
     args = p.parse_args()
     args.geometry = "27b-hybrid"
@@ -167,6 +174,12 @@ def main() -> int:
     print_table(decode_rows, ["loop", "B", "ms/token", "ms/step", "verify ms", "draft ms",
                               "step / decode step"])  # fmt: skip
     generate_rows = generate_speed(args, target, device)
+    if args.compare_step:
+        static_hybrid.FUSED_STEP = False
+        args.skip_hf = True
+        torch_step = generate_speed(args, target, device)[-1]
+        torch_step["backend"] += ", torch-op delta step"
+        generate_rows.append(torch_step)
     print_table(
         generate_rows, ["backend", "rows", "new", "tok/s", "prefill s", "ms/step", "cache GB"]
     )

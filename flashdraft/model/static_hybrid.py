@@ -38,12 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdraft.model import varlen
+from flashdraft.model import delta_kernel, varlen
 from flashdraft.model.hybrid import LINEAR_ATTENTION, gated_delta_net_project, layer_types
 
 # text model types whose decoder layers are reproduced here
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 PREFILL_CHUNK = 64  # tokens per pass of the chunked delta rule in a prefill
+# Decode steps on CUDA through `delta_kernel` (one pass over the state); benches turn it off.
+FUSED_STEP = True
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -238,6 +240,9 @@ def recurrent_step(
     (a matmul form reads it three times): at 128 slots of a 27B-shaped hybrid the states
     are ~19 GB, their traffic the step's largest after the weights."""
     q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [R, nv, d]
+    if FUSED_STEP and delta_kernel.available(state):  # the state read once, written once
+        o: Tensor = delta_kernel.delta_rule_step(q, k, v, g[:, :, 0].exp(), beta[:, :, 0], state)
+        return o[:, :, None]
     decay = g[:, :, 0].exp()[..., None]  # [R, nv, 1]
     # S^T k and S^T q in one pass over the state: [R, nv, dv] each
     both = (state[:, :, None] * torch.stack([k, q], dim=2)[..., None]).sum(dim=-2)

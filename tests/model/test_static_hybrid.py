@@ -170,3 +170,27 @@ def test_graphed_compiled_hybrid_loops_equal_the_eager_ones_on_cuda(kind) -> Non
         outputs[graphs] = (s.output_ids, s.acceptance_lengths, b.output_ids)
     assert outputs[True][0] == outputs[False][0] == outputs[True][2]
     assert outputs[True][1] == outputs[False][1]
+
+
+@pytest.mark.gpu
+def test_the_fused_delta_step_kernel_equals_the_torch_step_on_cuda() -> None:
+    from flashdraft.model import delta_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r, nv, dk, dv = 3, 4, 128, 64
+    q, k = (torch.randn(r, nv, 1, dk, device="cuda", generator=gen) for _ in range(2))
+    q, k = (t / t.norm(dim=-1, keepdim=True) for t in (q, k))
+    v = torch.randn(r, nv, 1, dv, device="cuda", generator=gen)
+    g = -torch.rand(r, nv, 1, device="cuda", generator=gen)
+    beta = torch.rand(r, nv, 1, device="cuda", generator=gen)
+    state = torch.randn(r, nv, dk, dv, device="cuda", generator=gen)
+    assert delta_kernel.available(state)
+    ours, theirs = state.clone(), state.clone()
+    o = static_hybrid.recurrent_step(q, k, v, g, beta, ours)
+    static_hybrid.FUSED_STEP = False
+    try:
+        ref = static_hybrid.recurrent_step(q, k, v, g, beta, theirs)
+    finally:
+        static_hybrid.FUSED_STEP = True
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
