@@ -126,8 +126,7 @@ def main() -> int:
     target_s = by["target forward"]["s"] / by["target forward"]["rows"]
     drafter_s = by["drafter step"]["s"] / by["drafter step"]["rows"]
     if best.layout.checkpointing:
-        layers, step = layout._drafter_flops(drafter, chosen.data.row_tokens, chosen.loss.anchors)
-        drafter_s /= 1 + layers / step / 3
+        drafter_s /= layout.checkpoint_factor(drafter, chosen.data.row_tokens, chosen.loss.anchors)
     f = best.layout.row_divisor
     timings = layout.Timings(target_s * f, drafter_s * f, f"measured on {device.type}")
     measured_plan = layout.plan_layouts(

@@ -13,7 +13,7 @@ from flashdraft import config as cfg
 from flashdraft import storage
 from flashdraft.config import option
 from flashdraft.log import get_logger
-from flashdraft.train.layout import plan_for_run
+from flashdraft.train.measure import plan_with_measurement
 from flashdraft.train.presets import RunSource
 from flashdraft.train.trainer import train
 
@@ -56,6 +56,11 @@ class TrainOptions:
     plan_gpus: int | None = option(None, ge=1, help="--plan: GPUs (default: this machine's)")
     plan_gb: float | None = option(
         None, gt=0, help="--plan: GB per GPU (default: this GPU's free memory, else 80)"
+    )
+    plan_measure: bool = option(
+        True,
+        help="--plan: time one short step of the run on this device (the target forward and "
+        "the drafter step) and predict each layout's tokens/s from it, not from FLOP estimates",
     )
 
     def __post_init__(self) -> None:
@@ -102,11 +107,14 @@ def run(args: argparse.Namespace) -> int:
     if options.allow_config_change and options.resume == "off":
         raise ValueError("--allow-config-change only applies with --resume")
     if options.plan:
-        plan = plan_for_run(options.run.load(), options.plan_gpus, options.plan_gb)
+        config = options.run.load()
+        plan = plan_with_measurement(
+            config, options.plan_gpus, options.plan_gb, options.plan_measure
+        )
         print(plan.table(), flush=True)
         best = plan.best
         if best is not None:
-            print("chosen: --set " + " --set ".join(best.layout.overrides(options.run.load())))
+            print("chosen: --set " + " --set ".join(best.layout.overrides(config)))
         return 0
     try:
         train(

@@ -35,9 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from flashdraft.log import get_logger
 from flashdraft.model.config import DrafterConfig
+from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.hybrid import linear_layer_ids
 from flashdraft.train import preflight
 from flashdraft.train.config import RunConfig
 from flashdraft.train.plan import build_drafter_config, load_target_config
@@ -258,8 +261,6 @@ def memory(
 def _drafter_flops(drafter: DrafterConfig, row: int, anchors: int) -> tuple[float, float]:
     """(layers, whole step) FLOPs of one row's drafter step: the layers' forward + backward
     (x3), and the LM head's forward and gradient w.r.t. the hidden state (x2; frozen)."""
-    from flashdraft.model.drafter import DFlashDrafter
-
     queries = anchors * drafter.block_size
     # The method reads only the config: no module (and no RoPE tables) built for it.
     per_query = DFlashDrafter.num_flops_per_query_token(_ConfigOnly(drafter), row, queries)  # type: ignore[arg-type]
@@ -273,13 +274,17 @@ class _ConfigOnly:
     config: DrafterConfig
 
 
+def checkpoint_factor(drafter: DrafterConfig, row: int, anchors: int) -> float:
+    """The drafter step's time with its layers checkpointed over without (5)."""
+    layers, step = _drafter_flops(drafter, row, anchors)
+    return 1 + layers / step / 3
+
+
 def estimate_timings(
     config: RunConfig, drafter: DrafterConfig, target_config: Any, counts: Sizes
 ) -> Timings:
     """Times of one row from FLOPs at the records' utilisation (`TARGET_MFU`, `DRAFTER_MFU`):
     what `auto` decides with (the same on every rank, nothing run)."""
-    from flashdraft.model.hybrid import linear_layer_ids
-
     text = target_config.get_text_config()
     row = config.data.row_tokens
     # (1) 2 FLOPs per weight of the decoder layers per token; (2) causal attention over the
@@ -314,8 +319,7 @@ def throughput(
     row = config.data.row_tokens
     t_target, t_drafter = timings.target_s, timings.drafter_s  # (6): per token as they are
     if layout.checkpointing:
-        layers, step = _drafter_flops(drafter, row, config.loss.anchors)
-        t_drafter *= 1 + layers / step / 3  # (5)
+        t_drafter *= checkpoint_factor(drafter, row, config.loss.anchors)  # (5)
     drafters = gpus - layout.target_ranks if layout.placement == "split" else gpus
     rows_per_step = config.optim.grad_accum
     if drafters > 1:
@@ -387,12 +391,12 @@ def device_capacity(device: torch.device) -> float:
 
 
 def resolve_auto(
-    config: RunConfig, target_config: Any, drafter: DrafterConfig, world: int, device: torch.device
+    config: RunConfig, target_config: Any, drafter: DrafterConfig, world: int, capacity: float
 ) -> tuple[RunConfig, Plan]:
     """`parallel.placement = "auto"`: the config with the fastest layout that fits this
     machine's `world` GPUs applied, and the plan it came from. Raises ValueError, with the
     smallest layout's numbers, when none fits."""
-    plan = plan_layouts(config, drafter, target_config, world, device_capacity(device))
+    plan = plan_layouts(config, drafter, target_config, world, capacity)
     best = plan.best
     if best is None:
         raise ValueError(
@@ -405,11 +409,17 @@ def resolve_auto(
 
 def resolve_placement(config: RunConfig, info: Any, target_config: Any = None) -> RunConfig:
     """`train`'s step for `parallel.placement = "auto"` on this rank (`info`: its DistInfo):
-    the config of the plan's choice for this machine, logged by the main rank."""
+    the config of the plan's choice for this machine, logged by the main rank. Every rank
+    plans with the smallest capacity of any rank, so all choose the same layout."""
     if target_config is None:
         target_config = load_target_config(config.target.path)
     drafter, _ = build_drafter_config(config, target_config)
-    resolved, plan = resolve_auto(config, target_config, drafter, info.world, info.device)
+    capacity = device_capacity(info.device)
+    if info.distributed:
+        least = torch.tensor([min(capacity, 2.0**62)], dtype=torch.float64, device=info.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        capacity = float(least.item())  # sync: once, at start-up
+    resolved, plan = resolve_auto(config, target_config, drafter, info.world, capacity)
     if info.is_main:
         best = plan.best
         assert best is not None
@@ -421,11 +431,25 @@ def resolve_placement(config: RunConfig, info: Any, target_config: Any = None) -
     return resolved
 
 
-def plan_for_run(config: RunConfig, gpus: int | None = None, gb: float | None = None) -> Plan:
-    """`flashdraft train --plan`: the plan of this run for `gpus` GPUs (None: this machine's)
-    of `gb` GB each (None: this GPU's free memory; on a machine without one, 80)."""
+def run_geometry(config: RunConfig) -> tuple[Any, DrafterConfig]:
+    """The run's target config (no weights read) and drafter config."""
     target_config = load_target_config(config.target.path)
     drafter, _ = build_drafter_config(config, target_config)
+    return target_config, drafter
+
+
+def plan_for_run(
+    config: RunConfig,
+    gpus: int | None = None,
+    gb: float | None = None,
+    timings: Timings | None = None,
+    geometry: tuple[Any, DrafterConfig] | None = None,
+) -> Plan:
+    """The plan of this run for `gpus` GPUs (None: this machine's) of `gb` GB each (None:
+    this GPU's free memory; on a machine without one, 80), from `timings` (None: estimated
+    from FLOPs; `train/measure.py` measures them). `geometry`: `run_geometry(config)`, if
+    already read."""
+    target_config, drafter = geometry or run_geometry(config)
     if gpus is None:
         gpus = max(1, torch.cuda.device_count())
     if gb is not None:
@@ -434,4 +458,4 @@ def plan_for_run(config: RunConfig, gpus: int | None = None, gb: float | None = 
         capacity = device_capacity(torch.device("cuda", 0))
     else:
         capacity = 80.0 * GB
-    return plan_layouts(config, drafter, target_config, gpus, capacity)
+    return plan_layouts(config, drafter, target_config, gpus, capacity, timings)

@@ -33,7 +33,10 @@ from typing import Any
 import torch
 
 from flashdraft.model.config import DrafterConfig
+from flashdraft.model.drafter import DFlashDrafter, param_count
+from flashdraft.model.fp8 import fp8_weight_count
 from flashdraft.model.hybrid import DELTA_RULE_CHUNK, linear_layer_ids
+from flashdraft.model.target import decoder_layers
 from flashdraft.train.config import RunConfig
 
 GB = 2**30
@@ -110,15 +113,13 @@ class Sizes:
     target_head: int  # embedding + LM head (a split drafter rank receives them)
     drafter: int
     drafter_layer_max: int
+    target_fp8: int = 0  # weights of the linear layers `target.precision = "fp8"` converts
 
 
 def sizes(target_config: Any, drafter: DrafterConfig) -> Sizes:
     """Count the target's and the drafter's parameters on the meta device (no memory, no
     weights read)."""
     from transformers import AutoModelForCausalLM
-
-    from flashdraft.model.drafter import DFlashDrafter, param_count
-    from flashdraft.model.target import decoder_layers
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(target_config)
@@ -134,6 +135,7 @@ def sizes(target_config: Any, drafter: DrafterConfig) -> Sizes:
         target_head=head,
         drafter=param_count(draft),
         drafter_layer_max=max(param_count(layer) for layer in draft.layers),
+        target_fp8=fp8_weight_count(decoder_layers(model)),
     )
 
 
@@ -232,6 +234,8 @@ def estimate(
 
     if role in ("colocated", "target"):
         weights = (counts.target_layers / shards + counts.target_rest) * dtype_bytes
+        if config.target.precision == "fp8":  # 1-byte weights (their fp32 scales: ~0.1%)
+            weights -= counts.target_fp8 * (dtype_bytes - 1)
         add("target weights" + (f" (layers / {shards})" if shards > 1 else ""), weights)
         # One layer's transient at row length: MLP gate/up/act and attention q/k/v/out; on a
         # hybrid target the largest of that and a linear-attention layer's.

@@ -62,17 +62,16 @@ def test_the_seeds_four_96_gb_cards_colocate_rather_than_split(hybrid) -> None:
     assert 3.8 * one < best.tokens_per_s < 4 * one
 
 
-def test_nothing_fits_says_so_and_auto_refuses(hybrid, monkeypatch) -> None:
+def test_nothing_fits_says_so_and_auto_refuses(hybrid) -> None:
     target, drafter, counts = hybrid
     config = load_run_config(None, BASE)
     plan = layout.plan_layouts(config, drafter, target, 1, 40 * GB, RECORDS, counts)
     assert plan.best is None and "nothing fits" in plan.table()
-    monkeypatch.setattr(layout, "device_capacity", lambda device: 40 * GB)
     with pytest.raises(ValueError, match="no layout of this run fits 1 GPU"):
-        layout.resolve_auto(config, target, drafter, 1, torch.device("cpu"))
+        layout.resolve_auto(config, target, drafter, 1, 40 * GB)
     # On the CPU (no memory bound) `auto` keeps the run as configured.
-    monkeypatch.undo()
-    resolved, _ = layout.resolve_auto(config, target, drafter, 1, torch.device("cpu"))
+    capacity = layout.device_capacity(torch.device("cpu"))
+    resolved, _ = layout.resolve_auto(config, target, drafter, 1, capacity)
     assert resolved.parallel.placement == "colocated" and resolved.data == config.data
 
 
@@ -88,12 +87,22 @@ def test_muon_is_never_sharded_and_split_keeps_one_target_row() -> None:
     assert shorter.optim.grad_accum == 2 * config.optim.grad_accum
 
 
-def test_train_plan_prints_the_layouts_and_the_chosen_overrides(tiny_qwen3_dir, capsys) -> None:
+def test_train_plan_measures_a_step_here_and_prints_the_layouts(
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys
+) -> None:
+    """`flashdraft train --plan` on the CPU: one short step of the tiny run measured, the
+    plan for 4 GPUs of 96 GB from it; `--no-plan-measure` plans from FLOP estimates."""
+    from helpers import train_settings
+
     from flashdraft import cli
 
-    args = ["train", "--set", "output=unused", "--set", f"target.path={tiny_qwen3_dir}"]
-    args += ["--set", 'data.datasets=["unused"]', "--plan", "--plan-gpus", "4", "--plan-gb", "96"]
-    assert cli.main(args) == 0
+    settings = train_settings(tmp_path / "run", tiny_qwen3_dir, qwen_data, **{"loss.anchors": 4})
+    plan = ["--plan", "--plan-gpus", "4", "--plan-gb", "96"]
+    assert cli.main(["train", *settings, *plan]) == 0
     out = capsys.readouterr().out
-    assert "memory plan: 4 GPU(s) of 96.0 GB" in out and "split 2 target + 2 drafter" in out
+    assert "memory plan: 4 GPU(s) of 96.0 GB; times of one row measured on cpu" in out
+    assert "split 2 target + 2 drafter" in out
     assert 'chosen: --set parallel.placement="colocated"' in out
+    assert not (tmp_path / "run" / "export").exists()  # a plan trains nothing
+    assert cli.main(["train", *settings, *plan, "--no-plan-measure"]) == 0
+    assert "estimated from FLOPs" in capsys.readouterr().out
