@@ -72,7 +72,7 @@ if triton is not None:
         """q, k [R, nv, dk] (normalised; q scaled), v [R, nv, dv], decay (exp g), beta
         [R, nv], state [R, nv, dk, dv]; all fp32 -> o [R, nv, dv]; `state` updated in place."""
         r, nv, dk, dv = state.shape
-        o = torch.empty_like(v)
+        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         grid = (r * nv, dv // BLOCK_V)
         torch.library.wrap_triton(_delta_step)[grid](
             state, q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
