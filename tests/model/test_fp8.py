@@ -418,3 +418,31 @@ def test_static_decoding_runs_an_fp8_target_without_fusing_it(kind) -> None:
     lm = StaticLM(model, 1, 64, [1, 2])
     assert lm.fuse_projections() is False
     lm.verify()
+
+
+def test_eval_and_generate_take_the_precision_flag() -> None:
+    """`--precision fp8` on both commands (flags derived from their configs); generate's
+    records carry it only when it is fp8, so outputs written before the flag stay resumable."""
+    import argparse
+
+    from flashdraft import config as cfg
+    from flashdraft.data.generate import GenerateConfig
+    from flashdraft.eval.evaluate import EvalConfig
+
+    needed = {
+        EvalConfig: ["--target", "t", "--drafter", "d", "--prompts", "p", "--output", "o.json"],
+        GenerateConfig: ["--target", "t", "--prompts", "p", "--output", "o.jsonl"],
+    }
+    configs = {}
+    for cls, args in needed.items():
+        parser = argparse.ArgumentParser()
+        cfg.add_arguments(parser, cls)
+        assert cfg.from_args(cls, parser.parse_args(args)).precision == "bf16"
+        configs[cls] = cfg.from_args(cls, parser.parse_args([*args, "--precision", "fp8"]))
+        assert configs[cls].precision == "fp8"
+        with pytest.raises(SystemExit):
+            parser.parse_args([*args, "--precision", "int8"])
+    generate = configs[GenerateConfig]
+    assert generate.settings([1])["precision"] == "fp8"
+    generate.precision = "bf16"
+    assert "precision" not in generate.settings([1])
