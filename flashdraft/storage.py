@@ -8,17 +8,20 @@ write one) is not part of its first line. Reading bad JSON names the file.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
 import os
 import posixpath
+import typing
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import fsspec
-import fsspec.compression
+import zstandard
 from fsspec.core import url_to_fs
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst")
@@ -77,13 +80,102 @@ def open_url(url: str, mode: str = "rb") -> Any:
 
 
 def decompress(raw: IO[bytes], url: str) -> IO[bytes]:
-    """The decompressed bytes of an open raw stream, line-iterable; codec from `url`'s suffix."""
+    """The decompressed bytes of an open raw stream, line-iterable; codec from `url`'s suffix.
+    Data cut short or not in the codec's format is a `DamagedInput` at the point it breaks,
+    after everything readable before it (zstandard's own reader stops at a cut without a word)."""
     compression = _compression(url)
     if compression is None:
         return raw
-    stream: Any = fsspec.compression.compr[compression](raw, mode="rb")
-    # zstandard's reader cannot iterate lines; a buffer in front of it can.
-    return stream if isinstance(stream, io.BufferedIOBase) else io.BufferedReader(stream)  # type: ignore[return-value]
+    return io.BufferedReader(_CheckedDecompress(raw, url, compression))
+
+
+class DamagedInput(ValueError):
+    """A compressed input cut short or not in its suffix's format: one line naming the file,
+    where it broke and what to do. A reader that counts lines fills in `lines`, the complete
+    lines read before the damage."""
+
+    def __init__(self, url: str, what: str, fix: str, lines: int | None = None) -> None:
+        self.url, self.what, self.fix, self.lines = url, what, fix, lines
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        after = f", after line {self.lines:,}" if self.lines is not None else ""
+        return f"{self.url} {self.what}{after}; {self.fix}"
+
+
+class _CheckedDecompress(io.RawIOBase):
+    """gzip or zstd decoded frame after frame, with a `DamagedInput` where the data breaks."""
+
+    def __init__(self, raw: IO[bytes], url: str, compression: str) -> None:
+        self.raw, self.url, self.zstd = _Counted(raw), url, compression == "zstd"
+        fileobj = typing.cast(IO[bytes], self.raw)
+        self.stream: Any = None if self.zstd else gzip.GzipFile(fileobj=fileobj, mode="rb")
+        self.frame: Any = None  # the zstd frame being decoded; None between frames
+        self.out, self.at = b"", 0  # decoded and not yet returned
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self.zstd:
+            try:
+                return int(self.stream.readinto(buffer))
+            except EOFError:
+                raise self._cut("the gzip stream ends before its end marker") from None
+            except (gzip.BadGzipFile, zlib.error) as err:
+                raise self._not("gzip", err) from None
+        while self.at == len(self.out):
+            chunk = self.raw.read(1 << 20)
+            if not chunk:
+                if self.frame is not None:
+                    raise self._cut("the zstd stream ends inside a frame")
+                return 0
+            self.out, self.at = self._decode(chunk), 0
+        n = min(len(buffer), len(self.out) - self.at)
+        buffer[:n] = self.out[self.at : self.at + n]
+        self.at += n
+        return n
+
+    def _decode(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self.frame is None:
+                self.frame = zstandard.ZstdDecompressor().decompressobj()
+            try:
+                out.append(self.frame.decompress(data))
+            except zstandard.ZstdError as err:
+                raise self._not("zstd", err) from None
+            if not self.frame.eof:
+                break
+            data, self.frame = self.frame.unused_data, None
+        return b"".join(out)
+
+    def _cut(self, how: str) -> DamagedInput:
+        return DamagedInput(
+            self.url,
+            f"is cut short: {how} at byte {self.raw.bytes:,}",
+            "the lines before it were read, the rest is missing: copy or download the file again",
+        )
+
+    def _not(self, codec: str, err: Exception) -> DamagedInput:
+        suffix = ".zst" if codec == "zstd" else ".gz"
+        return DamagedInput(
+            self.url,
+            f"is not {codec} data or is damaged ({err}; within its first {self.raw.bytes:,} bytes)",
+            f"if it is plain JSONL, name it without {suffix}; else copy or download it again",
+        )
+
+
+class _Counted:
+    """A raw stream's `read`, counting the bytes read (to say where a damaged input broke)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self.bytes = raw, 0
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self.raw.read(size)
+        self.bytes += len(chunk)
+        return chunk
 
 
 def expand_inputs(inputs: Iterable[str], suffixes: tuple[str, ...] = DATA_SUFFIXES) -> list[str]:
@@ -221,11 +313,17 @@ def iter_lines(url: str) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw bytes without the newline) for every line of a text file;
     a byte-order mark at the start of the file is dropped.
 
-    Bytes, not str: invalid UTF-8 is the caller's to report per line, not a crash here.
+    Bytes, not str: invalid UTF-8 is the caller's to report per line, not a crash here. A
+    damaged compressed file is a `DamagedInput` naming its last complete line.
     """
+    number = 0
     with fsspec.open(url, "rb") as f:
-        for number, line in enumerate(decompress(f, url), start=1):
-            yield number, clean_line(line, number)
+        try:
+            for number, line in enumerate(decompress(f, url), start=1):
+                yield number, clean_line(line, number)
+        except DamagedInput as err:
+            err.lines = number
+            raise
 
 
 def clean_line(line: bytes, number: int) -> bytes:

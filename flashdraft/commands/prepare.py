@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from flashdraft import config as cfg
+from flashdraft import storage
 from flashdraft.data.prepare import prepare
 from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.log import get_logger
@@ -20,7 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # A progress bar only where someone watches it (not in a log file).
     config = cfg.from_args(PrepareConfig, args, progress=args.progress and sys.stderr.isatty())
-    result = prepare(config)
+    try:
+        result = prepare(config)
+    except storage.WriteFailed as err:  # a full disk: one line; what is done stays done
+        if os.environ.get("FLASHDRAFT_DEBUG"):
+            raise
+        log.error(
+            f"flashdraft prepare: error: {err}; the shards finished so far are kept: free some "
+            "space and run the same command again to resume"
+        )
+        return 1
     counts = result.manifest["counts"]
     rate = counts["records"] / max(result.seconds, 1e-9)
     reused = f"; {result.reused_shards} shard(s) reused" if result.reused_shards else ""
@@ -31,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
         f"({counts['rejected']:,} rejected, {counts['truncated']:,} truncated{loops_note}) in "
         f"{result.seconds:.1f} s ({rate:,.0f} records/s{reused})"
     )
+    reasons = list(result.manifest["rejected_by_reason"].items())
+    if reasons:
+        common = "; ".join(f"{n:,} x {kind}" for kind, n in reasons[:3])
+        log.info(f"rejected: {common} (each in {storage.join(config.output, 'rejects.jsonl')})")
     log.info(result.report)
     if result.preview:
         log.info(result.preview)

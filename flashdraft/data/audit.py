@@ -17,7 +17,9 @@ to the end of a small target's answer) past each loop's first 16, which `prepare
 untrain` would leave untrained (`flashdraft.data.loops`).
 
 `flashdraft prepare` runs the same checks on what it wrote and fails unless
-`--allow-degenerate`; `flashdraft audit` (`audit(AuditConfig)`) exits 1 when any check fails.
+`--allow-degenerate`; `flashdraft audit` (`audit(AuditConfig)`) exits 1 when any check fails,
+and when `prepare` marked the dataset failed (its reject rate, its checks or a crash in them:
+the trainer refuses such a dataset, whatever thresholds the audit is given).
 """
 
 from __future__ import annotations
@@ -337,10 +339,13 @@ def format_report(audit: Audit) -> str:
     lines += _bars(audit.length_histogram, audit.samples)
     lines.append("trained tokens per sample:")
     lines += _bars(audit.loss_histogram, audit.samples)
-    if audit.problems:
-        lines.append(f"DEGENERATE DATA ({len(audit.problems)} check(s) failed):")
-        lines += [f"  - {p}" for p in audit.problems]
-    else:
+    failed = [p for p in audit.problems if p.startswith("PREPARE FAILED")]
+    degenerate = [p for p in audit.problems if p not in failed]
+    lines += failed
+    if degenerate:
+        lines.append(f"DEGENERATE DATA ({len(degenerate)} check(s) failed):")
+        lines += [f"  - {p}" for p in degenerate]
+    if not audit.problems:
         lines.append("all checks passed")
     return "\n".join(lines)
 
@@ -360,6 +365,23 @@ def load_audit_tokenizer(dataset: PreparedDataset, override: str | None) -> tupl
         return None, f"cannot load the tokenizer {name!r} ({err}); pass --tokenizer"
 
 
+def prepare_failures(dataset: PreparedDataset) -> list[str]:
+    """One problem per dataset whose manifest `prepare` did not mark complete."""
+    manifests = dataset.manifest.get("parts", [dataset.manifest])
+    failures = []
+    for url, manifest in zip(dataset.urls, manifests, strict=True):
+        status = manifest.get("status")
+        if status == "complete":
+            continue
+        why = "; ".join(map(str, manifest.get("problems") or [])) or "see its manifest.json"
+        why += "" if why.endswith(".") else "."
+        failures.append(
+            f"PREPARE FAILED: {url} has status {status!r} in its manifest, so the trainer "
+            f"refuses it: {why} Fix the cause and run `flashdraft prepare` again."
+        )
+    return failures
+
+
 def audit(config: AuditConfig) -> tuple[Audit, str]:
     """Audit the datasets of `config`: the statistics and checks, and what to show for them
     (the report, a note when the tokenizer is unavailable, the preview), as text or, with
@@ -367,6 +389,7 @@ def audit(config: AuditConfig) -> tuple[Audit, str]:
     dataset = open_datasets(config.datasets, require_complete=False)
     tokenizer, note = load_audit_tokenizer(dataset, config.tokenizer)
     report = audit_dataset(dataset, tokenizer, config.thresholds)
+    report.problems = prepare_failures(dataset) + report.problems
     seed = config.preview_options.seed
     indices = preview_indices(dataset, config.preview, seed) if config.preview > 0 else []
     if config.json_output:

@@ -186,7 +186,8 @@ class ShardStore:
         self.work = storage.join(output, WORK)
         self.fs, self.path = storage.filesystem(output)
         settings_url = storage.join(self.work, "settings.json")
-        if self.fs.exists(self.path) and self.fs.ls(self.path):
+        fresh = not self.fs.exists(self.path) or self._left_empty()
+        if not fresh:
             ours = storage.exists(settings_url) or storage.exists(storage.join(output, MANIFEST))
             if not ours:
                 raise FileExistsError(
@@ -198,8 +199,8 @@ class ShardStore:
                 if not overwrite:
                     raise FileExistsError(
                         f"output {output!r} holds a dataset prepared with other settings "
-                        "(tokenizer, thinking, turns, max length, loops or shard size); pass "
-                        "--overwrite to replace it, or choose another --output"
+                        "(tokenizer, thinking, turns, max length, loops, record limits or shard "
+                        "size); pass --overwrite to replace it, or choose another --output"
                     )
                 self.fs.rm(self.path, recursive=True)
         storage.makedirs(self.work)
@@ -209,6 +210,12 @@ class ShardStore:
             with self.fs.open(path, "rb") as f:
                 marker = json.load(f)
             self.markers[int(marker["index"])] = marker
+
+    def _left_empty(self) -> bool:
+        """An empty output, or one holding only an empty OUT/.work/: what a run leaves that
+        failed to write its first file (a full disk), which must not block the retry."""
+        names = [os.path.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)]
+        return not names or (names == [WORK] and not self.fs.find(storage.filesystem(self.work)[1]))
 
     def _url(self, name: str) -> str:
         return storage.join(self.output, name)

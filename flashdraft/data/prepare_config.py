@@ -39,6 +39,20 @@ class PrepareConfig:
     max_length: int | None = option(
         None, ge=2, help="longest sample in tokens (default: no limit)", tags=_DECIDES
     )
+    max_record_bytes: int | None = option(
+        4 << 20,
+        ge=1,
+        help="reject a record (one JSONL line) of more bytes, before it is parsed or "
+        "tokenized (counted as a reject; none: no limit)",
+        tags=_RECORDED,  # and in `data_settings` when not the default (`limit_settings`)
+    )
+    max_record_tokens: int | None = option(
+        131_072,
+        ge=2,
+        help="reject a sample of more tokens, whatever --max-length and --overlong do "
+        "(counted as a reject; none: no limit)",
+        tags=_RECORDED,
+    )
     overlong: Literal["drop", "truncate"] = option(
         "drop",
         help="samples over --max-length: drop (counted as rejects) or truncate (counted as "
@@ -116,7 +130,18 @@ def data_settings(config: PrepareConfig, tokenizer_sha256: str) -> dict[str, Any
         "tokenizer_sha256": tokenizer_sha256,
         **cfg.settings(config, "data"),
         **loop_settings(config),
+        **limit_settings(config),
     }
+
+
+def limit_settings(config: PrepareConfig) -> dict[str, Any]:
+    """The record size limits, recorded only when not the defaults: datasets prepared before
+    the limits existed resume unchanged (their finished shards are kept as they are)."""
+    limits = {"bytes": config.max_record_bytes, "tokens": config.max_record_tokens}
+    defaults = PrepareConfig(inputs=["-"], tokenizer="-", output="-")
+    if limits == {"bytes": defaults.max_record_bytes, "tokens": defaults.max_record_tokens}:
+        return {}
+    return {"record_limits": limits}
 
 
 def loop_settings(config: PrepareConfig) -> dict[str, Any]:

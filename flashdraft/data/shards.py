@@ -101,21 +101,27 @@ class Inputs:
         lines: Lines = []
         index = done_bytes = 0
         for url in self.files:
-            records = 0
+            records = number = 0
             with fsspec.open(url, "rb") as raw:
                 # The hash is of the bytes as stored (compressed), so it is read here rather
                 # than through storage.iter_lines, which only sees decompressed lines.
                 hashing = _HashingReader(raw)
                 stream = storage.decompress(io.BufferedReader(hashing, 1 << 20), url)
-                for number, raw_line in enumerate(stream, start=1):
-                    line = storage.clean_line(raw_line, number)  # newline and BOM off
-                    if not line.strip():
-                        continue
-                    records += 1
-                    lines.append((f"{url}:{number}", line))
-                    if len(lines) == size:
-                        yield Shard(index, lines, _digest(lines), done_bytes + hashing.bytes)
-                        index, lines = index + 1, []
+                try:
+                    for number, raw_line in enumerate(stream, start=1):
+                        line = storage.clean_line(raw_line, number)  # newline and BOM off
+                        if not line.strip():
+                            continue
+                        records += 1
+                        lines.append((f"{url}:{number}", line))
+                        if len(lines) == size:
+                            yield Shard(index, lines, _digest(lines), done_bytes + hashing.bytes)
+                            index, lines = index + 1, []
+                except storage.DamagedInput as err:
+                    # Refused, not used in part: a dataset silently missing a file's tail
+                    # is worse than a run that stops (the shards done so far are kept).
+                    err.lines = number
+                    raise
             done_bytes += hashing.bytes
             self.records.append(
                 {

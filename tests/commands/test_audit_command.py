@@ -75,3 +75,29 @@ def test_exit_code_and_json_output(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["audit", url, "--json", "--min-median-loss-tokens", "50"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["samples"] == 20 and len(report["problems"]) == 1
+
+
+def test_a_dataset_whose_prepare_failed_fails_the_audit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its samples may pass every check at the audit's thresholds (here they do); the
+    trainer still refuses it, so the audit must not say "all checks passed"."""
+    rows = [
+        (np.arange(i, i + 30, dtype=np.int32), np.ones(30, np.int8), f"x:{i}") for i in range(20)
+    ]
+    for row in rows:
+        row[1][:10] = 0
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    write_dataset(good, rows)
+    why = "30 of 50 records (60.0%) were rejected, more than --max-reject-rate 0.01."
+    others = [(ids + 1000, mask, f"y:{i}") for i, (ids, mask, _) in enumerate(rows)]
+    write_dataset(bad, others, manifest={"status": "failed", "problems": [why]})
+    assert cli.main(["audit", good, "--preview", "0"]) == 0
+    assert "all checks passed" in capsys.readouterr().out
+    assert cli.main(["audit", good, bad, "--preview", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "all checks passed" not in out and "DEGENERATE" not in out
+    (line,) = [x for x in out.splitlines() if "PREPARE FAILED" in x]
+    assert line.startswith(f"PREPARE FAILED: {bad} has status 'failed'") and why in line
+    assert cli.main(["audit", bad, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["problems"][0].startswith("PREPARE FAILED")

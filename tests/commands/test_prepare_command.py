@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import gzip
+import json
+import os
 from pathlib import Path
 
 import pytest
 from helpers import config_flags
 
-from flashdraft import cli
+from flashdraft import cli, storage
 from flashdraft import config as cfg
 from flashdraft.commands import prepare as prepare_command
 from flashdraft.data.audit import Thresholds
@@ -22,7 +26,8 @@ FLAGS = [
     "--workers", "--seed", "--shard-size", "--max-reject-rate", "--allow-degenerate",
     "--overwrite", "--preview", "--color", "--no-progress", "--max-repeated-share",
     "--min-median-loss-tokens", "--max-empty-share", "--max-all-ones-share",
-    "--max-truncated-share", "--loops", "--loop-keep", "--loop-min",
+    "--max-truncated-share", "--loops", "--loop-keep", "--loop-min", "--max-record-bytes",
+    "--max-record-tokens",
 ]  # fmt: skip
 
 
@@ -83,3 +88,70 @@ def test_argparse_refuses_choices_outside_the_config() -> None:
         parser().parse_args(["in", "--tokenizer", "t", "--output", "o", "--color", "blue"])
     with pytest.raises(SystemExit):
         parser().parse_args(["--tokenizer", "t", "--output", "o"])  # no input
+
+
+def _chats(path: Path, n: int) -> Path:
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Tell me about topic {i}."},
+                {"role": "assistant", "content": f"Topic {i} matters because of fact {i * 3}."},
+            ]
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_a_damaged_input_is_one_line(
+    tmp_path: Path, smollm2_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("FLASHDRAFT_DEBUG", raising=False)
+    plain = _chats(tmp_path / "chats.jsonl", 40).read_bytes()
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(plain)[:-40])
+    argv = ["prepare", str(cut), "--tokenizer", str(smollm2_dir), "--output", str(tmp_path / "o")]
+    assert cli.main([*argv, "--preview", "0", "--workers", "1"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"flashdraft prepare: error: {cut} is cut short: the gzip stream")
+    assert "copy or download the file again" in line
+
+
+def test_a_full_disk_is_one_line_and_the_retry_resumes(
+    tmp_path: Path, smollm2_dir: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ENOSPC while writing a shard (or the very first file): one line, nothing left that
+    blocks running the same command again, which reuses the shards already written."""
+    monkeypatch.delenv("FLASHDRAFT_DEBUG", raising=False)
+    source = _chats(tmp_path / "chats.jsonl", 30)
+    write = storage._write_local
+    full: list[str] = []  # the names whose write fails
+
+    def disk_full(path: str, data: bytes) -> None:
+        if any(name in path for name in full):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(path, data)
+
+    monkeypatch.setattr(storage, "_write_local", disk_full)
+    out = tmp_path / "out"
+    argv = ["prepare", str(source), "--tokenizer", str(smollm2_dir), "--output", str(out),
+            "--shard-size", "10", "--workers", "1", "--preview", "0"]  # fmt: skip
+    for failing in ("settings.json", "shard-00001.arrow"):
+        full[:] = [failing]
+        assert cli.main(argv) == 1
+        line = _error_line(capsys)
+        assert line.startswith("flashdraft prepare: error: could not write ") and failing in line
+        assert "No space left on device" in line and "run the same command again" in line
+        assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    full.clear()
+    assert cli.main(argv) == 0
+    assert "1 shard(s) reused" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["counts"]["samples"] == 30

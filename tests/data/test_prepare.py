@@ -15,7 +15,7 @@ import zstandard
 from flashdraft import cli
 from flashdraft.data.audit import Thresholds
 from flashdraft.data.dataset import dataset_identity, open_dataset
-from flashdraft.data.prepare import prepare
+from flashdraft.data.prepare import ShardProcessor, prepare
 from flashdraft.data.prepare_config import PrepareConfig
 from flashdraft.data.template import TemplateOptions
 
@@ -292,6 +292,49 @@ def test_overlong_samples_are_dropped_or_truncated(tmp_path: Path, smollm2_dir: 
     assert truncated.manifest["counts"]["truncated"] == 1
     dataset = open_dataset(str(tmp_path / "cut"))
     assert dataset.num_tokens.max() == 100 and len(dataset) == 31
+
+
+def test_records_over_the_size_limits_are_rejected_and_counted(
+    tmp_path: Path, smollm2_dir: Path, smollm2_tokenizer: Any
+) -> None:
+    """Bytes before parsing (a 50 MB record once took 8.5 GB to tokenize and then was 99.98%
+    of the dataset's tokens), tokens after tokenizing, whatever --overlong does."""
+    many_tokens = {"prompt": "Count.", "completion": " ".join(str(k % 10) for k in range(700))}
+    huge = b'{"messages": [' + b"x" * 20_000  # over the bytes limit, and broken JSON too
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(lines([chat(i) for i in range(20)] + [many_tokens, huge]))
+    result = run(
+        config(
+            [str(source)],
+            smollm2_dir,
+            tmp_path / "out",
+            max_record_bytes=10_000,
+            max_record_tokens=500,
+            max_length=100,
+            overlong="truncate",  # would have cut the long sample: it is rejected first
+            max_reject_rate=0.1,
+        )
+    )
+    counts = result.manifest["counts"]
+    assert counts["samples"] == 20 and counts["rejected"] == 2 and counts["truncated"] == 0
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    reasons = {r["source"].rsplit(":", 1)[1]: r["reason"] for r in rejects}
+    assert sorted(reasons) == ["21", "22"]
+    assert reasons["21"].endswith("tokens, over --max-record-tokens 500")
+    assert reasons["22"] == f"{len(huge)} bytes, over --max-record-bytes 10000"
+    assert result.manifest["rejected_by_reason"] == {
+        "N tokens, over --max-record-tokens N": 1,
+        "N bytes, over --max-record-bytes N": 1,
+    }
+    assert result.manifest["options"]["max_record_bytes"] == 10_000
+    # The defaults: a 5 MB record is refused before it is parsed or tokenized.
+    defaults = PrepareConfig(inputs=["x"], tokenizer=str(smollm2_dir), output="o")
+    assert defaults.max_record_bytes == 4 << 20 and defaults.max_record_tokens == 131_072
+    record = json.dumps({"prompt": "Say it.", "completion": "word " * 1_000_000}).encode()
+    shard = ShardProcessor(defaults, smollm2_tokenizer)(0, [("big.jsonl:1", record)])
+    assert shard.rejects == [
+        ("big.jsonl:1", f"{len(record)} bytes, over --max-record-bytes 4194304")
+    ]
 
 
 def _lenient() -> Thresholds:

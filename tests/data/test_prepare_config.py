@@ -41,6 +41,8 @@ def test_recorded_settings_of_a_default_config_are_pinned() -> None:
         ("thinking", "keep"),
         ("turns", "all"),
         ("max_length", None),
+        ("max_record_bytes", 4 << 20),
+        ("max_record_tokens", 131_072),
         ("overlong", "drop"),
         ("seed", 0),
         ("shard_size", 2048),
@@ -70,3 +72,16 @@ def test_recorded_settings_of_a_default_config_are_pinned() -> None:
     assert data_settings(other, "x")["thinking"] == "strip"
     assert (manifest_options(other)["seed"], manifest_options(other)["max_length"]) == (5, 512)
     assert "workers" not in manifest_options(other) and "color" not in manifest_options(other)
+
+
+def test_record_limits_decide_the_data_when_not_the_defaults() -> None:
+    """A dataset prepared before the limits existed resumes under the default ones; other
+    limits are other data (its shards are redone, or refused without --overwrite)."""
+    config = PrepareConfig(inputs=["x"], tokenizer="t", output="o")
+    assert "record_limits" not in data_settings(config, "x")
+    smaller = PrepareConfig(inputs=["x"], tokenizer="t", output="o", max_record_tokens=4096)
+    assert data_settings(smaller, "x")["record_limits"] == {"bytes": 4 << 20, "tokens": 4096}
+    off = PrepareConfig(inputs=["x"], tokenizer="t", output="o", max_record_bytes=None)
+    assert data_settings(off, "x")["record_limits"] == {"bytes": None, "tokens": 131_072}
+    with pytest.raises(ValueError, match="max_record_bytes = 0 is not allowed: must be >= 1"):
+        PrepareConfig(inputs=["x"], tokenizer="t", output="o", max_record_bytes=0)

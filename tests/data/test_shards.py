@@ -8,7 +8,10 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import pytest
+import zstandard
 
+from flashdraft import storage
 from flashdraft.data.dataset import ShardStore, record_batch, stream_bytes
 from flashdraft.data.shards import Inputs, Lines, ShardResult, inputs_difference, process_shards
 
@@ -136,3 +139,52 @@ def test_changed_inputs_are_named(tmp_path: Path) -> None:
     assert "its sha256 differs" in (inputs_difference(inputs.records, [str(a)]) or "")
     write(a, [b"1", b"2", b"3"])
     assert "has 6 bytes, 4 when prepared" in (inputs_difference(inputs.records, [str(a)]) or "")
+
+
+def _damaged_inputs(tmp_path: Path) -> dict[str, tuple[Path, int, str]]:
+    """name -> (file, complete lines before the damage, what the error says)."""
+    body = b"".join(b'{"prompt": "question %d", "completion": "answer"}\n' % i for i in range(3000))
+    frames = zstandard.ZstdCompressor()
+    zst = frames.compress(body[:40_000]) + frames.compress(body[40_000:])
+    out = {}
+    cut = tmp_path / "cut.jsonl.zst"  # the second frame cut in half: the first one is read
+    cut.write_bytes(zst[: len(zst) - 2000])
+    out["zstd cut"] = (cut, body[:40_000].count(b"\n"), "is cut short: the zstd stream ends")
+    small = tmp_path / "small.jsonl.zst"  # once reported as "the file is empty"
+    small.write_bytes(frames.compress(body[:500])[:-8])
+    out["zstd cut early"] = (small, 0, "is cut short: the zstd stream ends inside a frame")
+    gz = tmp_path / "cut.jsonl.gz"
+    gz.write_bytes(gzip.compress(body)[:-100])
+    out["gzip cut"] = (gz, -1, "is cut short: the gzip stream ends before its end marker")
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_bytes(body[:200])
+    out["not gzip"] = (plain, 0, "is not gzip data or is damaged")
+    junk = tmp_path / "junk.jsonl.zst"
+    junk.write_bytes(body[:200])
+    out["not zstd"] = (junk, 0, "is not zstd data or is damaged")
+    return out
+
+
+@pytest.mark.parametrize("case", ["zstd cut", "zstd cut early", "gzip cut", "not gzip", "not zstd"])
+def test_a_damaged_compressed_input_is_refused_where_it_breaks(tmp_path: Path, case: str) -> None:
+    """Its readable records come first, then one error naming the file, the byte and the
+    last complete line; never a silent end of file, an "empty" file or a codec traceback."""
+    path, complete, what = _damaged_inputs(tmp_path)[case]
+    good = write(tmp_path / "first.jsonl", [b"1", b"2"])
+    seen: list[str] = []
+    with pytest.raises(storage.DamagedInput) as err:
+        for shard in Inputs([str(good), str(path)]).shards(100):
+            seen += [source for source, _ in shard.lines]
+    text = str(err.value)
+    assert text.startswith(f"{path} {what}") and "\n" not in text
+    assert " at byte " in text or "bytes" in text
+    if complete >= 0:
+        assert text.count(f"after line {complete:,};") == 1
+    # Every complete line before the damage reached a shard, in order (shards of 100).
+    read = err.value.lines
+    assert read is not None and read >= max(complete, 0)
+    assert len(seen) == (2 + read) // 100 * 100
+    # storage.iter_lines (generate's and eval's prompts) says the same.
+    with pytest.raises(storage.DamagedInput, match=f"after line {read:,};"):
+        for _ in storage.iter_lines(str(path)):
+            pass
