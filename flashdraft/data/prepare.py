@@ -23,10 +23,12 @@ and sha256 of every input: when they differ, running again is refused unless `--
 
 Checks. A bad record (malformed JSON, invalid UTF-8, unknown role, non-alternating turns,
 an empty assistant turn, a template failure, a sample over `--max-length` with
-`--overlong drop`, an `id` that an earlier record already has) is counted and written to
-`rejects.jsonl`, never fatal on its own; more than `--max-reject-rate` of them fails the run.
-Inputs without a single record are refused ("no records in FILE") before anything is
-written. Then the audit checks (`flashdraft.data.audit`)
+`--overlong drop`, an `id` that an earlier record already has, a record over
+`--max-record-bytes` (checked before parsing) or a sample over `--max-record-tokens`) is
+counted and written to `rejects.jsonl`, never fatal on its own; more than
+`--max-reject-rate` of them fails the run. Inputs without a single record are refused ("no
+records in FILE") before anything is written; a compressed input cut short or not in its
+format stops the run where it breaks (`storage.DamagedInput`; finished shards are kept). Then the audit checks (`flashdraft.data.audit`)
 run on the written dataset and fail the run unless `--allow-degenerate`. A failed dataset
 is written with `status: failed` in its manifest, which the trainer refuses; fix the cause
 or the thresholds and run again (finished shards are reused).
