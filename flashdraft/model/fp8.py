@@ -175,8 +175,8 @@ def fp8_refusal(device: torch.device) -> str | None:
         return f"{name} (sm_{major}{minor}) has no FP8 tensor cores (Ada, Hopper or newer: sm_89+)"
     try:  # row-wise scales need a recent torch and cuBLASLt; a 16 x 16 product says
         probe = torch.ones(16, 16, device=device, dtype=FP8)
-        one = torch.ones(16, 1, device=device)
-        torch._scaled_mm(probe, probe.t(), scale_a=one, scale_b=one.t(), out_dtype=torch.bfloat16)
+        rows, columns = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+        torch._scaled_mm(probe, probe.t(), scale_a=rows, scale_b=columns, out_dtype=torch.bfloat16)
     except RuntimeError as err:
         said = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return f"torch {torch.__version__}'s _scaled_mm refuses row-wise scales on {name}: {said}"

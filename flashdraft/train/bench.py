@@ -69,7 +69,8 @@ def bench_run(config: BenchConfig) -> BenchResult:
     trainer = Trainer(plan_run(run, info, resume=False))
     peak = matmul_peak(trainer.device)
     results = time_trainer(trainer, parts=True, warmup=config.warmup, iters=config.iters)
-    return BenchResult(trainer.device, peak, results, summarise(results, peak))
+    summary = summarise(results, peak) | {"target_precision": run.target.precision}
+    return BenchResult(trainer.device, peak, results, summary)
 
 
 def unique_graphs() -> int:
