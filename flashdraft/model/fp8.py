@@ -201,6 +201,11 @@ def apply_precision(model: nn.Module, precision: str, layers: nn.ModuleList) -> 
     before = sum(p.numel() * p.element_size() for p in model.parameters())
     count = quantize_linears(layers)
     after = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not count and precision_of(layers) != "fp8":
+        log.warning(
+            "precision 'fp8': the decoder layers have no nn.Linear to convert (a checkpoint "
+            "quantised already?); the target runs as loaded"
+        )
     if count:
         how = "emulated on the CPU" if device.type == "cpu" else "torch._scaled_mm"
         log.info(
