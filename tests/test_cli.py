@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -144,10 +145,16 @@ def _command_parsers(monkeypatch) -> list[tuple[str, argparse.ArgumentParser, ty
     return out
 
 
-def _fields(cls: type) -> dict[str, object]:
+def _fields(cls: type) -> dict[str, tuple[Any, Any]]:
+    """The leaf fields of a command config by name: (field, type)."""
     from flashdraft import config as cfg
 
     return {f.name: (f, tp) for _, f, tp in cfg._flat_fields(cls)}
+
+
+def _required(parser: argparse.ArgumentParser) -> list[str]:
+    """Arguments that fill every required option and positional of `parser` with "x"."""
+    return [x for a in parser._actions if a.required for x in [*a.option_strings[:1], "x"]]
 
 
 def test_every_no_flag_is_the_negation_of_its_field(monkeypatch) -> None:
@@ -169,8 +176,7 @@ def test_every_no_flag_is_the_negation_of_its_field(monkeypatch) -> None:
             assert action.default is True and cfg._default(f) is True, where
             assert action.help == cfg.negated_help(f).replace("%", "%%"), where
             assert action.help != f.metadata["help"], where
-            required = [a for a in parser._actions if a.required]
-            base = [x for a in required for x in (a.option_strings[:1] or []) + ["x"]]
+            base = _required(parser)
             assert getattr(parser.parse_args([*base, flags[0]]), action.dest) is False, where
             assert getattr(parser.parse_args(base), action.dest) is True, where
             checked += 1
@@ -191,8 +197,7 @@ def test_a_non_finite_number_is_refused_for_every_float_option(monkeypatch) -> N
     checked = 0
     for _name, parser, cls in _command_parsers(monkeypatch):
         fields = _fields(cls)
-        required = [a for a in parser._actions if a.required]
-        base = [x for a in required for x in (a.option_strings[:1] or []) + ["x"]]
+        base = _required(parser)
         for action in parser._actions:
             if action.dest not in fields or not action.option_strings:
                 continue
