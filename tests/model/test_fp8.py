@@ -446,3 +446,25 @@ def test_eval_and_generate_take_the_precision_flag() -> None:
     assert generate.settings([1])["precision"] == "fp8"
     generate.precision = "bf16"
     assert "precision" not in generate.settings([1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_an_fp8_hybrid_passes_the_startup_check_on_cuda(kind) -> None:
+    """bf16 + FP8 on fla's varlen kernels (the eager path quantises through the compiled
+    row quantiser): the packing check, FP8 path tolerance included, passes."""
+    fp8_cuda()
+    from flashdraft.model import hybrid
+
+    kernels, why = hybrid.fla_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
+    set_precision(model, "fp8")
+    target = Target(model, [0, 1, 3], "sdpa")  # "auto": fla on CUDA
+    assert target.linear is not None and target.linear.kernels is not None
+    try:
+        target.verify_taps()
+    finally:
+        target.taps.remove()
+        target.linear.remove()
