@@ -143,7 +143,7 @@ def test_a_full_disk_is_one_line_and_the_retry_resumes(
     out = tmp_path / "out"
     argv = ["prepare", str(source), "--tokenizer", str(smollm2_dir), "--output", str(out),
             "--shard-size", "10", "--workers", "1", "--preview", "0"]  # fmt: skip
-    for failing in ("settings.json", "shard-00001.arrow"):
+    for failing in ("settings.json", "shard-00001.arrow", "manifest.json"):
         full[:] = [failing]
         assert cli.main(argv) == 1
         line = _error_line(capsys)
@@ -152,6 +152,6 @@ def test_a_full_disk_is_one_line_and_the_retry_resumes(
         assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
     full.clear()
     assert cli.main(argv) == 0
-    assert "1 shard(s) reused" in capsys.readouterr().out
+    assert "3 shard(s) reused" in capsys.readouterr().out  # done before the manifest failed
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["counts"]["samples"] == 30
