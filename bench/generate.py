@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="first user turn only, instead of the whole conversation (the smoke default)",
     )
-    parser.add_argument("--backend", choices=("hf", "static", "vllm"), default="hf")
+    parser.add_argument("--backend", choices=("hf", "static"), default="hf")
     parser.add_argument("--synthetic", action="store_true", help="backends on random prompts")
     parser.add_argument("--backends", default="hf,static", help="--synthetic: backends to time")
     parser.add_argument(

@@ -350,6 +350,7 @@ class Summary:
     retries: int = 0
     failed: int = 0
     template_mismatches: int = 0
+    short_replies: int = 0  # requests answered with fewer answers than --answers-per-prompt
 
     @property
     def tokens_per_s(self) -> float:
@@ -617,6 +618,13 @@ def _write_answers(
     """One record per answer of `result` (ids ID, ID~1, ...), appended in one write."""
     kept: dict[str, list[dict[str, Any]]] = {"ok": [], "rejected": []}
     one = len(result.replies) == 1  # usage counts all the answers of a request together
+    asked = config.server.answers_per_prompt
+    if len(result.replies) != asked and not summary.short_replies:
+        log.warning(
+            f"generate: the server gave {len(result.replies)} answers to {job.id}, "
+            f"{asked} asked (--answers-per-prompt): it may not support n"
+        )
+    summary.short_replies += len(result.replies) != asked
     for k, reply in enumerate(result.replies):
         record, reason = answer_record(
             job,

@@ -24,10 +24,9 @@ import json
 import os
 import random
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -203,7 +202,7 @@ def backoff(attempt: int, base: float, floor: float = 0.0, cap: float = 60.0) ->
 class OpenAIClient:
     """Chat completions from one server, `options.concurrency` at a time, with retries."""
 
-    def __init__(self, options: ServerOptions, *, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, options: ServerOptions, *, sleep: Callable[[float], object] | None = None):
         if not options.base_url:
             raise ValueError("--backend openai needs --base-url (e.g. http://localhost:8000/v1)")
         self.options = options
@@ -218,8 +217,9 @@ class OpenAIClient:
             limits=httpx.Limits(max_connections=options.concurrency),
         )
         self.model = options.model or ""
-        self._sleep = sleep
         self._stop = threading.Event()
+        # Waits between tries end at once when the run is abandoned (`complete_all`).
+        self._sleep = sleep if sleep is not None else self._stop.wait
 
     def close(self) -> None:
         self.http.close()
@@ -349,14 +349,3 @@ def _server_message(response: httpx.Response) -> str:
     except (json.JSONDecodeError, ValueError):
         text = response.text
     return " ".join(str(text).split())[:300] or response.reason_phrase
-
-
-@dataclass(slots=True)
-class RequestStats:
-    """What `generate` counts for a run against a server."""
-
-    requests: int = 0
-    retries: int = 0  # tries beyond the first, over all requests
-    failed: int = 0  # prompts written to OUT.errors.jsonl
-    template_mismatches: int = 0  # prompts whose token count the server saw differently
-    failures: list[str] = field(default_factory=list)  # the first few errors

@@ -321,3 +321,23 @@ def test_a_server_killed_mid_run_loses_and_repeats_nothing(tmp_path: Path) -> No
         summary = generate(_config(prompts, output, second.url))
     assert summary.already_done == len(done) and summary.written == count - len(done)
     assert _answered(output) == Counter(f"q{i}#1" for i in range(count))
+
+
+@pytest.mark.server
+@needs_server
+def test_a_server_rendering_another_template_is_warned_about(
+    tmp_path: Path,
+    server: LlamaServer,
+    tiny_qwen3_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`prepare` will render with Qwen3's template (no default system prompt), the server
+    renders SmolLM2's: every prompt's count differs, warned once, counted."""
+    prompts = _prompts(tmp_path / "in.jsonl", 2)
+    config = _config(prompts, tmp_path / "out.jsonl", server.url)
+    config.target = str(tiny_qwen3_dir)  # a Qwen3 target folder: Qwen3's tokenizer
+    summary = generate(config)
+    assert (summary.written, summary.template_mismatches) == (2, 2)
+    warnings = [r.message for r in caplog.records if "prompt tokens" in r.message]
+    assert len(warnings) == 2  # the probe's and the first prompt's, then only counted
+    assert "its chat template or tokenizer differs" in warnings[0]
