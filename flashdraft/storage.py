@@ -86,7 +86,7 @@ def decompress(raw: IO[bytes], url: str) -> IO[bytes]:
     compression = _compression(url)
     if compression is None:
         return raw
-    return io.BufferedReader(_CheckedDecompress(raw, url, compression))
+    return io.BufferedReader(_CheckedDecompress(raw, url, compression), 1 << 20)
 
 
 class DamagedInput(ValueError):
@@ -125,14 +125,14 @@ class _CheckedDecompress(io.RawIOBase):
             except (gzip.BadGzipFile, zlib.error) as err:
                 raise self._not("gzip", err) from None
         while self.at == len(self.out):
-            chunk = self.raw.read(1 << 20)
+            chunk = self.raw.read(1 << 16)  # small: a chunk may decode to 100x its size
             if not chunk:
                 if self.frame is not None:
                     raise self._cut("the zstd stream ends inside a frame")
                 return 0
             self.out, self.at = self._decode(chunk), 0
         n = min(len(buffer), len(self.out) - self.at)
-        buffer[:n] = self.out[self.at : self.at + n]
+        buffer[:n] = memoryview(self.out)[self.at : self.at + n]
         self.at += n
         return n
 
