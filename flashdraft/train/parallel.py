@@ -229,6 +229,7 @@ class Placement:
     target_ranks: tuple[int, ...]
     drafter_ranks: tuple[int, ...]
     group: Any = None  # process group of the drafter replicas (None: the default group)
+    control: Any = None  # split: every rank over gloo (CPU), for the stop vote (train/stopping.py)
 
     @property
     def feeder(self) -> int:
@@ -264,11 +265,11 @@ def assign_placement(info: DistInfo, kind: str, target_ranks: int) -> Placement:
         )
     # Every rank must take part in creating the group, drafters or not.
     group = dist.new_group(list(drafters)) if len(drafters) > 1 else None
+    control = dist.new_group(backend="gloo")
     if info.rank in targets:
-        return Placement("split", "target", -1, len(drafters), targets, drafters, group)
-    return Placement(
-        "split", "drafter", drafters.index(info.rank), len(drafters), targets, drafters, group
-    )
+        return Placement("split", "target", -1, len(drafters), targets, drafters, group, control)
+    dp_rank = drafters.index(info.rank)
+    return Placement("split", "drafter", dp_rank, len(drafters), targets, drafters, group, control)
 
 
 def dp_all_reduce_sum(tensor: Tensor, placement: Placement) -> Tensor:
@@ -368,6 +369,18 @@ class FeatureReceiver:
         works = [dist.irecv(t, self.peer) for t in _payload(outputs)]
         self._pending.append((works, outputs))
         self.remaining -= 1
+
+    def drain(self) -> int:
+        """Receive and drop the transfers already posted, posting no more; returns how many.
+        After the receive of row j, rows j+1 .. j+depth-1 are posted: a stopping target rank
+        sends exactly those (train/stopping.py)."""
+        self.remaining = 0
+        for works, _ in self._pending:
+            for work in works:
+                work.wait()
+        count = len(self._pending)
+        self._pending.clear()
+        return count
 
     def receive(self) -> TargetOutputs:
         """The next transfer, keeping up to `depth` receives posted ahead."""

@@ -17,6 +17,17 @@ that is the next log point; otherwise it may be the next checkpoint, eval or the
 (then the run just finishes). There it writes the checkpoint and exits with `EXIT_CODE`;
 `--resume` continues exactly as from any other checkpoint.
 
+In the split placement the target ranks run ahead of the drafters through a queue, so the
+stop is agreed by every rank, target ranks included, in a vote over a CPU (gloo) group at each
+stop point (`is_stop_point`: the log points before the end, known to both sides from the
+config). A drafter rank votes when it reaches the point S; a target rank when its next row for
+a consumer would go past the rows that consumer has posted receives for by then (its rows up
+to S and `parallel.queue_depth` - 1 more: `FeatureReceiver`). So on a stop every row sent has
+a receive posted for it and none is posted without a row: the drafter ranks write the
+checkpoint of step S, receive and drop those rows (`FeatureReceiver.drain`), and every rank
+meets at a barrier and exits. Only at a stop point is a target rank held to queue_depth - 1
+rows ahead; between them it runs ahead as far as the queue lets it.
+
 The grace period has to cover the steps to that log point, an in-training eval if one falls
 there, and the checkpoint. The handler is installed once the run is planned (before the
 target and the drafter are built), so a signal during their set-up or the first compile
@@ -31,6 +42,9 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 # 128 + SIGTERM: what a shell reports for a process SIGTERM ended, so a script that checks
 # the status sees an unfinished run (a Ctrl-C stop exits with it too: one status for "stopped,
 # resumable"). Under torchrun each worker exits with it and torchrun itself exits 1, as for
@@ -43,6 +57,21 @@ _NOTICE = (
     b"flashdraft train: Ctrl-C: stopping at the next log point, with a checkpoint "
     b"(kill -9 stops at once and loses the steps since the last checkpoint)\n"
 )
+
+
+def is_stop_point(step: int, total: int, log_every: int, checkpoint_every: int) -> bool:
+    """Whether a run may stop after `step`: a log point (every log and checkpoint step log)
+    before the end. The split placement votes at exactly these."""
+    at_checkpoint = checkpoint_every > 0 and step % checkpoint_every == 0
+    return step < total and (step % log_every == 0 or at_checkpoint)
+
+
+def vote(asked: bool, group: Any) -> bool:
+    """Whether any rank of `group` was asked to stop (a CPU all-reduce: a host sync, at a
+    stop point only)."""
+    flag = torch.tensor([float(asked)])
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
+    return bool(flag.item() > 0)
 
 
 class TrainingStopped(Exception):

@@ -42,6 +42,7 @@ from flashdraft.train.checkpoint import (
 from flashdraft.train.config import RunConfig
 from flashdraft.train.features import (
     AheadTarget,
+    RemoteTarget,
     device_put,
     draft_batch,
     open_feature_source,
@@ -69,7 +70,13 @@ from flashdraft.train.schedule import Stopwatch, lr_at, time_spent
 from flashdraft.train.server import serve_target
 from flashdraft.train.step import DraftBatch, draft_loss
 from flashdraft.train.step_rows import PHASES, Interval, StepRows
-from flashdraft.train.stopping import EXIT_CODE, StopRequest, TrainingStopped
+from flashdraft.train.stopping import (
+    EXIT_CODE,
+    StopRequest,
+    TrainingStopped,
+    is_stop_point,
+    vote,
+)
 
 log = get_logger(__name__)
 
@@ -460,6 +467,11 @@ class Trainer:
                         )  # fmt: skip
                 last_record = self._log(interval, grad_norm, progress, extra)
                 interval = Interval()
+            if self.placement.control is not None and is_stop_point(
+                self.step, self.total_steps, config.log.every, config.checkpoint.every
+            ):  # split: the target ranks vote too (train/stopping.py)
+                asked = self.sigterm is not None and self.sigterm.requested
+                self.stop_agreed = vote(asked, self.placement.control)
             # A stop is at a log point (checked finite, its interval logged) that ends the
             # target's run-ahead group (the same step on every rank): the resumed run then
             # forms the same groups and logs the same intervals, bit for bit.
@@ -483,6 +495,9 @@ class Trainer:
 
     def _stop(self, progress: Any) -> None:
         """End a run that SIGTERM stopped, its checkpoint just written (every rank)."""
+        if isinstance(self.source, RemoteTarget):  # the rows its target rank sent past the stop
+            self.source.receiver.drain()
+            barrier(self.info)  # with the target ranks, which stop there too
         if progress is not None:
             progress.close()
         if self.logger is not None:
@@ -557,10 +572,13 @@ def _train_rank(
         local_rank=info.local_rank,
         pid=os.getpid(),  # what a test signals
     )
-    if plan.placement.role == "target":
-        serve_target(plan, target_model)
-        barrier(info)
-        return {}
-    # SIGTERM and SIGINT checkpoint and stop (colocated; train/stopping.py says why not split)
-    with StopRequest(enabled=plan.placement.kind == "colocated") as sigterm:
-        return Trainer(plan, target_model, sigterm).fit()
+    # SIGTERM and SIGINT checkpoint and stop, in either placement (train/stopping.py)
+    with StopRequest() as stop:
+        if plan.placement.role != "target":
+            return Trainer(plan, target_model, stop).fit()
+        stopped = serve_target(plan, target_model, stop)
+        barrier(info)  # the drafter ranks have written the checkpoint by then
+    if stopped is not None:
+        checkpoint = step_dir(config.output, stopped)
+        raise TrainingStopped(stopped, plan.total_steps, checkpoint, stop.by)
+    return {}

@@ -231,6 +231,64 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(
     _same_curve(read_metrics(run), single)
 
 
+@pytest.mark.slow  # long integration run: `pytest -m slow` (docs/testing.md)
+@pytest.mark.parametrize("depth", [2, 5])
+def test_ctrl_c_to_a_split_target_rank_stops_every_rank_after_one_checkpoint(
+    tmp_path, tiny_qwen3_dir, qwen_data, single, depth
+) -> None:
+    """Split placement (1 target rank + 1 drafter rank), SIGINT to the target rank only, in
+    the drafter's first step: the ranks vote to stop at the step-4 log point; the target
+    rank has sent the rows the drafter posted receives for (queue_depth - 1 past the
+    stop), which the drafter drains; one checkpoint, every rank exits 143, no traceback; and
+    resumed on one process the run ends on the curve of the run in one go."""
+    run, trace = tmp_path / "run", tmp_path / "trace"
+    extra = {
+        "optim.max_steps": 8,
+        "optim.grad_accum": 2,
+        "checkpoint.every": 8,
+        "parallel.placement": '"split"',
+        "parallel.target_ranks": 1,
+        "parallel.queue_depth": depth,
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHDRAFT_TRACE": str(trace)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "flashdraft.cli", "train", *_settings(run, tiny_qwen3_dir, qwen_data, **extra)]
+    output = tmp_path / "out.txt"
+    with output.open("w") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(e["event"] == "row" for e in _trace(trace, 1)):  # the drafter's step 1
+            assert process.poll() is None and time.monotonic() < deadline, output.read_text()
+            time.sleep(0.05)
+        pid = next(e["pid"] for e in _trace(trace, 0) if e["event"] == "role")
+        os.kill(pid, signal.SIGINT)
+        process.wait(timeout=300)
+    finally:  # nothing left running on a failure: torchrun, and its workers (own sessions)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            for rank in (0, 1):
+                for pid in (e["pid"] for e in _trace(trace, rank) if e["event"] == "role"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+    log = output.read_text()
+    # torchrun's own summary of its failed workers is the only traceback
+    assert process.returncode != 0 and "KeyboardInterrupt" not in log, log[-4000:]
+    assert log.count("Traceback") == log.count("ChildFailedError: \n"), log[-4000:]
+    assert re.search(r"exitcode\s*:\s*143\b", log), log[-4000:]
+    for rank in (0, 1):  # the target rank had the signal; the drafter rank stopped with it
+        assert re.search(
+            rf"\[rank {rank}\] flashdraft train: stopped by SIG(INT|TERM) after step 4 of 8", log
+        ), log[-4000:]
+    assert max(e["step"] for e in _trace(trace, 1) if e["event"] == "row") == 4
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]
+    assert not (run / "export").exists() and not (run / "LOCK").exists()
+    one = _settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 8, "optim.grad_accum": 2})
+    assert cli.main(["train", *one, "--resume"]) == 0
+    _same_curve(read_metrics(run), single)
+
+
 def test_split_placement_needs_a_drafter_rank() -> None:
     from flashdraft.train.parallel import DistInfo, assign_placement
 
