@@ -99,7 +99,7 @@ class DamagedInput(ValueError):
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        after = f", after line {self.lines:,}" if self.lines is not None else ""
+        after = f", after line {self.lines:,}" if self.lines else ""
         return f"{self.url} {self.what}{after}; {self.fix}"
 
 
