@@ -59,6 +59,12 @@ def measure_timings(
     run.log.tensorboard = run.log.progress = run.log.wandb = False
     run.eval.every = 0
     trainer = Trainer(plan_run(run, info, resume=False))
+    if trainer.plan.total_rows < max(4, run.optim.grad_accum):  # what `time_trainer` cycles
+        log.info(
+            f"flashdraft train --plan: the data makes {trainer.plan.total_rows} rows, too few "
+            "to time a step; times estimated"
+        )
+        return None
     results = time_trainer(trainer, parts=True, warmup=warmup, iters=iters)
     by = {r["what"]: r for r in results}
     target_s = by["target forward"]["s"] / by["target forward"]["rows"]
