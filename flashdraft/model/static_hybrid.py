@@ -94,7 +94,10 @@ def forward(
     """`StaticLM.__call__` for a hybrid target (its docstring says what each call keeps)."""
     r, n = ids.shape
     x = lm.embed(ids)
-    rope = lm.rotary(x, positions)  # cos, sin [R, n, rotated dims]
+    # cos, sin [R, n, rotated dims]; Qwen3.5's multimodal RoPE takes [3, R, n] (T/H/W, equal
+    # for text; transformers 5.17 indexes it so, later versions expand [R, n] themselves)
+    mrope = hasattr(lm.rotary, "mrope_section")
+    rope = lm.rotary(x, positions[None].expand(3, -1, -1) if mrope else positions)
     mask: Any
     if fresh:
         mask = None  # causal within the call
