@@ -41,6 +41,7 @@ from flashdraft.benchutil import environment, free_memory, matmul_peak, print_js
 from flashdraft.log import get_logger
 from flashdraft.model import varlen
 from flashdraft.model.attention import FLEX_OPTIONS
+from flashdraft.model.fp8 import fp8_products
 from flashdraft.train.bench import COLUMNS, summarise, time_trainer
 from flashdraft.train.config import load_run_config
 from flashdraft.train.parallel import init_distributed
@@ -152,7 +153,11 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
     dataset = SyntheticDataset(args.docs, args.doc_min, args.doc_max, args.vocab)
     info = init_distributed("cuda" if device.type == "cuda" else "cpu")
     plan = plan_run(config, info, resume=False, target_config=model.config, dataset=dataset)
-    return Trainer(plan, target_model=model)
+    trainer = Trainer(plan, target_model=model)
+    if args.drafter_fp8:  # before the first step: the compiled layers trace the FP8 products
+        count = fp8_products(trainer.drafter)
+        log.info(f"bench: the drafter's products in FP8 ({count} linear layers)")
+    return trainer
 
 
 def bench_row_length(args, device, model, row_tokens: int, first: bool) -> list[dict]:
@@ -248,6 +253,12 @@ def parse() -> argparse.Namespace:
         help="target.precision: the target's decoder-layer linear layers in bf16, or in FP8 "
         "(e4m3 weights with per-channel scales, per-token activation scales, torch._scaled_mm; "
         "converted in place after the bf16 build); MFU stays against the bf16 matmul peak",
+    )
+    p.add_argument(
+        "--drafter-fp8",
+        action="store_true",
+        help="experimental: the drafter's linear layers run their forward and backward "
+        "products in FP8 (row-wise scales; fp32 master weights: fp8.fp8_products)",
     )
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--iters", type=int, default=12)
@@ -418,6 +429,7 @@ def main() -> int:
             "peak_tflops": round(peak / 1e12, 1),
             "target_attention": model.config._attn_implementation,
             "target_precision": args.precision,
+            "drafter_fp8": args.drafter_fp8,
             "flex_options": args.flex_options,
             **summary,
             "results": results,

@@ -20,12 +20,16 @@ Converted: every `nn.Linear` inside the decoder layers whose two dimensions are 
 (`KEEP`). Kept in the target dtype: the embedding and the LM head (it produces the labels),
 MoE routers and fused experts (not `nn.Linear`), everything outside the decoder layers.
 
+Also here, experimental (`bench/trainer.py --drafter-fp8`): `fp8_products`, a trained
+layer's forward and backward products in FP8 with fp32 master weights (the drafter's step).
+
 Shape legend: M tokens (rows of x), K input features, N output features.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +75,27 @@ def emulated_scaled_mm(
     return ((xq.float() @ wq.float().t()) * x_scale * w_scale).to(dtype)
 
 
+def scaled_mm(
+    aq: Tensor, a_scale: Tensor, bq: Tensor, b_scale: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """aq [M, K] @ bq [N, K]^T -> [M, N] in `dtype`, both FP8 and row-major with per-row
+    scales ([M, 1], [N, 1] or [N]): `torch._scaled_mm` on CUDA (bq transposed to the
+    column-major operand it wants), emulated elsewhere."""
+    if aq.is_cuda:
+        return torch._scaled_mm(
+            aq, bq.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1), out_dtype=dtype
+        )
+    return emulated_scaled_mm(aq, bq, a_scale, b_scale.reshape(-1), dtype)
+
+
+def _quantizer(x: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """`quantize_rows` as traced into a compiled graph, or its one fused kernel for eager
+    CUDA callers."""
+    if x.is_cuda and not torch.compiler.is_compiling():
+        return _quantize_rows_fused
+    return quantize_rows
+
+
 class FP8Linear(nn.Module):
     """An `nn.Linear` of the frozen target in FP8: weight [N, K] float8_e4m3fn, `weight_scale`
     [N] fp32 (per output channel), activations quantised per token at every call. Not a
@@ -98,19 +123,8 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        if self.weight.is_cuda:
-            quantize = quantize_rows if torch.compiler.is_compiling() else _quantize_rows_fused
-            xq, x_scale = quantize(rows)
-            out = torch._scaled_mm(
-                xq,
-                self.weight.t(),  # [K, N], column-major as cuBLASLt wants it
-                scale_a=x_scale,
-                scale_b=self.weight_scale[None],  # [1, N]
-                out_dtype=x.dtype,
-            )
-        else:
-            xq, x_scale = quantize_rows(rows)
-            out = emulated_scaled_mm(xq, self.weight, x_scale, self.weight_scale, x.dtype)
+        xq, x_scale = _quantizer(rows)(rows)
+        out = scaled_mm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -219,3 +233,67 @@ def precision_of(model: nn.Module) -> str:
     """ "fp8" when any of the model's linear layers is an `FP8Linear`, else "bf16" (the
     linear layers in the model's dtype), for reports and recorded configs."""
     return "fp8" if any(isinstance(m, FP8Linear) for m in model.modules()) else "bf16"
+
+
+# ---- FP8 products of a trained layer (the drafter's; `bench/trainer.py --drafter-fp8`) ----
+
+
+class _FP8Product(torch.autograd.Function):
+    """x [M, K] @ weight [N, K]^T with e4m3 operands in the forward and in both products of
+    the backward, each operand scaled per row along its contraction (the row-wise recipe of
+    FP8 training): y = x W^T (x per token, W per output channel), grad_x = g W (g per token,
+    W per input channel), grad_W = g^T x (g and x per feature, over the tokens). The
+    weight stays in its own dtype (fp32 master weights) and is quantised at every call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
+        quantize = _quantizer(x)
+        return scaled_mm(*quantize(x), *quantize(weight), dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight = ctx.saved_tensors
+        quantize = _quantizer(grad)
+        grad = grad.contiguous()
+        grad_x = scaled_mm(*quantize(grad), *quantize(weight.t().contiguous()), ctx.dtype)
+        grad_w = scaled_mm(
+            *quantize(grad.t().contiguous()), *quantize(x.t().contiguous()), ctx.dtype
+        )
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+class FP8TrainedLinear(nn.Linear):
+    """An `nn.Linear` whose three products run in FP8 (`_FP8Product`): the same parameters,
+    names and state dict, so checkpoints and exports do not change. Made by swapping the
+    class of an existing Linear (`fp8_products`). Rows (tokens) not a multiple of 16, which
+    the weight gradient's product cannot take, fall back to the plain Linear. Output in
+    bf16 on CUDA (as under autocast), else in the input's dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] % 16:
+            return super().forward(x)
+        dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        out = _FP8Product.apply(rows, self.weight, dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def fp8_products(module: nn.Module) -> int:
+    """Every `nn.Linear` inside `module` with both dimensions multiples of 16 runs its
+    products in FP8 from now on (`FP8TrainedLinear`, its class swapped in place: parameters,
+    optimizer state and hooks stay); how many. Experimental: kept only where a bench shows
+    it pays and tau holds (issue 74)."""
+    count = 0
+    for child in module.modules():
+        if (
+            type(child) is nn.Linear
+            and child.in_features % 16 == 0
+            and child.out_features % 16 == 0
+        ):
+            child.__class__ = FP8TrainedLinear
+            count += 1
+    return count

@@ -468,3 +468,40 @@ def test_an_fp8_hybrid_passes_the_startup_check_on_cuda(kind) -> None:
     finally:
         target.taps.remove()
         target.linear.remove()
+
+
+# ---- FP8 products of a trained layer (experimental: bench/trainer.py --drafter-fp8) ----
+
+
+def test_fp8_products_equal_their_quantised_reference_forward_and_backward() -> None:
+    """The forward and both backward products are the products of the row-wise quantised
+    operands (each scaled along its contraction), and stay near the full-precision ones."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    reference = copy.deepcopy(linear)
+    state = {k: v.clone() for k, v in linear.state_dict().items()}
+    assert fp8.fp8_products(nn.Sequential(linear)) == 1
+    assert isinstance(linear, fp8.FP8TrainedLinear) and linear.state_dict().keys() == state.keys()
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    g = torch.randn(2, 16, 48)
+    y = linear(x)
+    y.backward(g)
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # a @ b^T, quantised
+        (aq, sa), (bq, sb) = quantize_rows(a), quantize_rows(b)
+        return (aq.double() * sa.double()) @ (bq.double() * sb.double()).t()
+
+    rows, grads, w = x.detach().reshape(32, 64), g.reshape(32, 48), linear.weight.detach()
+    expected = [product(rows, w), product(grads, w.t()), product(grads.t(), rows.t())]
+    got = [y.detach().reshape(32, 48), x.grad.reshape(32, 64), linear.weight.grad]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    # near the full-precision layer (the e4m3 rounding of two operands: a few percent)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = reference(x2)
+    y2.backward(g)
+    for a, b in [(y, y2), (x.grad, x2.grad), (linear.weight.grad, reference.weight.grad)]:
+        assert 0.005 < relative(a.detach(), b.detach()) < 0.08
+    # tokens not a multiple of 16: the plain product
+    odd = torch.randn(3, 64)
+    assert torch.equal(linear(odd), reference(odd))
