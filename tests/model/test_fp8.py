@@ -505,3 +505,30 @@ def test_fp8_products_equal_their_quantised_reference_forward_and_backward() -> 
     # tokens not a multiple of 16: the plain product
     odd = torch.randn(3, 64)
     assert torch.equal(linear(odd), reference(odd))
+
+
+@pytest.mark.gpu
+def test_fp8_products_on_cuda_eager_and_compiled() -> None:
+    """On the tensor cores, eager and compiled: the three products near the fp32 layer's
+    (e4m3 operands: a few percent), with bf16 activations and gradients and fp32 master
+    weights, as the drafter's step runs them under autocast."""
+    fp8_cuda()
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 512, bias=False, device="cuda")
+    reference = copy.deepcopy(linear)
+    fp8.fp8_products(nn.Sequential(linear))
+    x = torch.randn(4, 64, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4, 64, 512, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for layer in (linear, torch.compile(linear), reference):
+        layer.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_(True)
+        out = layer(inputs.float() if layer is reference else inputs)
+        out.backward(g.float() if layer is reference else g)
+        results.append((out.detach(), inputs.grad, linear.weight.grad if layer is not reference
+                        else reference.weight.grad))  # fmt: skip
+    (eager, compiled, exact) = results
+    for a, b, c in zip(eager, compiled, exact, strict=True):
+        assert relative(b, a) < 1e-2  # compiled vs eager: the same quantisation
+        assert 0.005 < relative(a, c) < 0.08
+    assert eager[0].dtype == torch.bfloat16 and linear.weight.grad.dtype == torch.float32
