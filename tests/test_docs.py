@@ -236,7 +236,7 @@ def _stage(words: list[str]) -> str:
 def _check_torchrun(words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Parse a torchrun line's arguments into the run config and check its placement for
     the world size it asks for (one process cannot run it: no process group is made)."""
-    monkeypatch.setattr(parallel.dist, "new_group", lambda ranks: None)
+    monkeypatch.setattr(parallel.dist, "new_group", lambda *ranks, **backend: None)
     world = int(words[words.index("--nproc-per-node") + 1])
     if "--nnodes" in words:  # the world of a multi-node launch (node count x processes)
         world *= int(words[words.index("--nnodes") + 1])

@@ -391,7 +391,8 @@ def test_ctrl_c_checkpoints_at_the_next_log_point_without_a_traceback(
             os.kill(os.getpid(), signal.SIGINT)
 
     run = tmp_path / "run"
-    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{**TRAIN, "optim.max_steps": 4})
+    fast = {**TRAIN, "optim.max_steps": 4, "drafter.mask_token_id": 151669}  # no tokenizer load
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **fast)
     with monkeypatch.context() as patch:
         patch.setattr(trainer, "trace", interrupt_once)
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ from helpers import parse_command, train_settings
 
 from flashdraft import cli
 from flashdraft.commands import train as train_command
+from flashdraft.train import checkpoint
 from flashdraft.train.config import load_run_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -57,12 +60,16 @@ def test_allow_config_change_is_a_flag_of_resume_only(capsys) -> None:
 
 
 def test_resume_with_no_checkpoint_says_so_and_stops_unless_auto(
-    tmp_path, tiny_qwen3_dir, qwen_data, capsys
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys, monkeypatch
 ) -> None:
     """--resume in an output that has no checkpoint is a mistake (a typo in the output, a
-    run that never wrote one): one line, nothing written. --resume=auto starts there."""
+    run that never wrote one): one line, nothing written. --resume=auto starts there; a full
+    disk at its checkpoint is one line, leaving neither half a checkpoint nor the run's
+    lock, and the same command then runs."""
     run = tmp_path / "run"
-    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 1})
+    # the mask token the tokenizer would give, set: no tokenizer load (2 s a run here)
+    fast = {"optim.max_steps": 1, "drafter.mask_token_id": 151669}
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **fast)
     assert cli.main(["train", *settings, "--resume"]) == 2
     err = capsys.readouterr().err
     assert err == (
@@ -71,5 +78,19 @@ def test_resume_with_no_checkpoint_says_so_and_stops_unless_auto(
         "resume when there is a checkpoint and start otherwise\n"
     )
     assert not (run / "run_config.json").exists()
+
+    def full(self: object, name: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint._CheckpointWriter, "write", full)
+        assert cli.main(["train", *settings, "--resume=auto"]) == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert lines == [
+        f"flashdraft train: error: could not write {run}/checkpoints/step_00000001: No space "
+        "left on device (the checkpoint was removed; make room, then run the same command again "
+        "(no checkpoint of this run is complete yet))"
+    ]
+    assert list((run / "checkpoints").iterdir()) == [] and not (run / "LOCK").exists()
     assert cli.main(["train", *settings, "--resume=auto"]) == 0
     assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()

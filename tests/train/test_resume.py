@@ -18,6 +18,8 @@ from flashdraft.train.parallel import DistInfo
 from flashdraft.train.plan import CONFIG_CHANGES, plan_run
 
 ONE = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+# the mask token the tokenizer would give, set: no tokenizer load (2 s a plan here)
+FAST = {"optim.max_steps": 5, "drafter.mask_token_id": 151669}
 
 
 def _checkpoint(run, step: int) -> None:
@@ -36,7 +38,7 @@ def test_a_resume_on_data_prepared_again_in_place_is_refused_in_one_line(
     the same identity (what it holds, not where)."""
     data, run = tmp_path / "data", tmp_path / "run"
     shutil.copytree(qwen_data, data)
-    settings = train_settings(run, tiny_qwen3_dir, data, **{"optim.max_steps": 5})
+    settings = train_settings(run, tiny_qwen3_dir, data, **FAST)
     config = load_run_config(None, settings[1::2])
     before = dataset_identity(str(data))
     plan_run(config, ONE, resume=False)
@@ -68,7 +70,7 @@ def test_a_config_naming_other_data_is_refused_and_an_earlier_run_is_not_checked
     tmp_path, tiny_qwen3_dir, qwen_data, caplog
 ) -> None:
     run = tmp_path / "run"
-    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **{"optim.max_steps": 5})
+    settings = train_settings(run, tiny_qwen3_dir, qwen_data, **FAST)
     named = load_run_config(None, [*settings[1::2], 'data.content_sha256=["0123456789abcdef"]'])
     with pytest.raises(ValueError, match=r"data\.content_sha256 names other data than"):
         plan_run(named, ONE, resume=False)
