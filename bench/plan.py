@@ -48,13 +48,19 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="target.precision, as bench/trainer.py (the plan counts FP8 weights at 1 byte)",
+    )
     p.add_argument("--plan-only", action="store_true", help="print the plan, run nothing")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--smoke", action="store_true")
     geometry = p.parse_known_args()[0].geometry
     p.set_defaults(**dict(zip(SHAPE, GEOMETRIES[geometry], strict=True)))
     args = p.parse_args()
-    args.compare_paths = args.profile = False
+    args.compare_paths = args.profile = args.drafter_fp8 = False
     args.skip_overlap_off = True
     if args.smoke:
         smoke_geometry(args)
@@ -77,6 +83,7 @@ def run_config(args: argparse.Namespace, extra: list[str]):
             f"loss.chunk_rows={args.chunk_rows}",
             f"optim.grad_accum={args.rows_per_forward}",
             f"optim.rows_per_forward={args.rows_per_forward}",
+            f"target.precision={args.precision}",
             *args.set,
             *extra,
         ],
