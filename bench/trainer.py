@@ -89,9 +89,11 @@ def target_model(args: argparse.Namespace, device: torch.device):
     if attention == "varlen" or (attention is None and device.type == "cuda"):
         shape["attn_implementation"] = varlen.implementation("varlen")
     if getattr(args, "geometry", "8b") == "27b-hybrid":
-        # transformers has no flex_attention for the hybrid classes: sdpa with the dense
-        # document mask, as `flashdraft train` loads them (target.default_attention).
-        shape["attn_implementation"] = "sdpa"
+        # transformers has no flex_attention for the hybrid classes: varlen where it runs,
+        # as `flashdraft train` loads them (target.default_attention), or sdpa with the
+        # dense document mask (`--target-attention sdpa`, the records before 2026-12-08).
+        varlen_runs = device.type == "cuda" and varlen.available() and attention != "sdpa"
+        shape["attn_implementation"] = varlen.implementation("varlen") if varlen_runs else "sdpa"
         # Layer types from full_attention_interval 4 (linear x 3, full); Qwen3.6's RoPE: a
         # quarter of head_dim rotated, T/H/W sections interleaved.
         pairs = args.head_dim // 4 // 2  # rotated frequencies, split T/H/W: 32 -> 11, 11, 10
@@ -239,12 +241,13 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--target-attention",
-        choices=("flex", "varlen"),
+        choices=("flex", "varlen", "sdpa"),
         default=None,
         help="the target's packed attention: varlen flash attention over the documents' "
         "boundaries (the default on CUDA, as `flashdraft train` picks it there for these "
         "dense targets, target.default_attention), or flex with the document BlockMask (the "
-        "default of the records before 2026-12-02); hybrids run sdpa either way",
+        "default of the records before 2026-12-02); hybrids run varlen, or sdpa with the dense "
+        "document mask (sdpa)",
     )
     p.add_argument(
         "--precision",

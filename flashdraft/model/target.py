@@ -134,7 +134,9 @@ def default_attention(path: str, device_type: str) -> str:
     BlockMask) when the class supports it; else sdpa with a dense mask. On the SmolLM2-135M
     shape varlen made the target forward 1.55x flex's on an H200 (docs/speed.md).
     transformers refuses flex for the hybrid Qwen3.5 / Qwen3-Next classes
-    (5.17-5.24), so `flex_attention` there would fail at load time."""
+    (5.17-5.24), so `flex_attention` there would fail at load time; their full-attention
+    layers call the attention interface (without the class flag saying so), so hybrids take
+    varlen too: at 32K-token rows a dense mask's sdpa computes every cross-document score."""
     if device_type != "cuda":
         return "sdpa"
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -145,7 +147,7 @@ def default_attention(path: str, device_type: str) -> str:
         cls = mapping[type(config)]
     except KeyError:
         return "sdpa"
-    interface = getattr(cls, "_supports_attention_backend", False)
+    interface = getattr(cls, "_supports_attention_backend", False) or is_hybrid(config)
     if interface and varlen.available() and varlen.refusal(config.get_text_config()) is None:
         return "varlen"
     return "flex_attention" if getattr(cls, "_supports_flex_attn", False) else "sdpa"
@@ -457,11 +459,12 @@ class Target:
             packing = varlen.packed(segments.to(self.device))
         else:
             mask = build_document_mask(doc_ids, self.backend)
+        linear: AbstractContextManager[None] = nullcontext()
         if self.linear is not None:  # hybrid: the linear layers restart at document starts
             mask = attention_masks(self.config, mask)
-            packing = self.linear.packed(doc_ids)
+            linear = self.linear.packed(doc_ids)
         labels: tuple[Tensor | None, ...] = (None, None, None)
-        with self.no_grad(), packing:
+        with self.no_grad(), packing, linear:
             out = self.base(
                 input_ids=input_ids,
                 position_ids=position_ids,

@@ -15,8 +15,10 @@ flash kernel: each segment then goes through SDPA on its own (the same result, s
 the tests check the packing arithmetic on any machine and the kernel on a GPU.
 
 Targets with sliding-window layers, logit soft-capping or attention sinks keep flex
-(`refusal` says why); so do hybrid targets (their full-attention layers are gated and their
-linear ones take the packing elsewhere).
+(`refusal` says why). Hybrid targets take it in their full-attention layers (gated, but the
+attention call inside is plain causal attention); their linear layers are packed by
+`flashdraft.model.hybrid`. With sdpa and a dense [R, 1, T, T] mask instead, a 32K-token row
+would compute every cross-document score of all 16 attention layers of a 27B-shaped hybrid.
 
 Also here, the same kernel for the decode steps of a static KV cache
 (`flashdraft.model.static`, attention="varlen"): each row attends over its own used slots
@@ -208,7 +210,9 @@ def implementation(name: str) -> str:
 
 def refusal(config: Any) -> str | None:
     """Why a target (its text config) cannot take the varlen path, or None."""
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    # a hybrid's linear-attention layers never call the attention interface (their packing
+    # is `flashdraft.model.hybrid`'s): only its full-attention layers take this path
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"]) - {"linear_attention"}
     if kinds != {"full_attention"}:
         return (
             f"its layer types are {sorted(kinds)}; the varlen path runs full causal attention only"

@@ -108,6 +108,24 @@ def test_packed_rows_equal_documents_alone_for_every_layer_type(model, path) -> 
         target.linear.remove()
 
 
+def test_packed_rows_equal_documents_alone_with_varlen_attention(model) -> None:
+    """The full-attention layers through the varlen path (the documents' boundaries, no mask;
+    on the CPU each document through SDPA alone) beside the linear layers' own packing."""
+    varlen.register()
+    model.set_attn_implementation(varlen.NAME)
+    try:
+        target = every_tap(model, linear_kernels="per-document")
+        assert target.varlen
+        try:
+            assert_packed_equals_alone(target, rtol=1e-5)
+        finally:
+            target.taps.remove()
+            assert target.linear is not None
+            target.linear.remove()
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def test_a_mask_alone_leaks_across_documents(model, monkeypatch) -> None:
     """The test above can fail: without the linear layers' restart, documents leak."""
     target = every_tap(model, linear_kernels="per-document")
@@ -288,15 +306,18 @@ def test_on_cuda_fla_is_chosen_and_called_as_its_api_says(model, monkeypatch) ->
     assert kernels is None and "needs fla-core >= 0.5" in why
 
 
-def test_hybrids_load_with_sdpa_on_cuda_and_take_a_dense_mask(tmp_path) -> None:
+def test_hybrids_never_load_with_flex_on_cuda_and_take_a_dense_mask_under_sdpa(tmp_path) -> None:
     """transformers refuses flex_attention for the hybrid classes: `flashdraft train` on CUDA
-    must not ask for it (it did: a load-time ValueError on the first GPU run), and a Target
-    given the trainer's "flex" backend must build the dense mask their sdpa layers take."""
+    must not ask for it (it did: a load-time ValueError on the first GPU run); they take the
+    varlen path where torch has its kernel, else sdpa, and a Target given the trainer's "flex"
+    backend builds the dense mask their sdpa layers take."""
     hybrid_dir, dense_dir = tmp_path / "hybrid", tmp_path / "dense"
     model = tiny_hybrid("qwen3_5")
     model.save_pretrained(hybrid_dir)
     tiny_llama().save_pretrained(dense_dir)
-    assert default_attention(str(hybrid_dir), "cuda") == "sdpa"
+    assert default_attention(str(hybrid_dir), "cuda") == (
+        "varlen" if varlen.available() else "sdpa"
+    )
     # a full-attention target takes the varlen flash path where torch has its kernel
     want = "varlen" if varlen.available() else "flex_attention"
     assert default_attention(str(dense_dir), "cuda") == want
