@@ -468,3 +468,21 @@ def test_fla_target_passes_the_startup_check_on_cuda(kind) -> None:
     target.verify_taps()
     target.taps.remove()
     target.linear.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_varlen_attention_target_passes_the_startup_check_on_cuda(kind) -> None:
+    """bf16, fla's linear kernels and the flash varlen kernel in the attention layers: the
+    start-up check (packed row vs each document alone) passes."""
+    kernels, why = hybrid.fla_kernels()
+    if kernels is None or not varlen.available():
+        pytest.skip(why if kernels is None else "torch has no varlen flash kernel")
+    varlen.register()
+    model = tiny_hybrid(kind).to("cuda", torch.bfloat16)
+    model.set_attn_implementation(varlen.NAME)
+    target = Target(model, [0, 1, 3], "sdpa")
+    assert target.varlen and target.linear is not None
+    target.verify_taps()
+    target.taps.remove()
+    target.linear.remove()
