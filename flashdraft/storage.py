@@ -8,6 +8,7 @@ write one) is not part of its first line. Reading bad JSON names the file.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -38,6 +39,16 @@ class WriteFailed(OSError):
 
     def __str__(self) -> str:
         return str(self.args[1])
+
+
+def is_write_failure(error: OSError) -> bool:
+    """A write that failed for want of room or rights (`WriteFailed`, or a full disk, quota or
+    read-only file system met elsewhere): the user's to fix, worth one line, not a traceback."""
+    return isinstance(error, WriteFailed) or error.errno in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+    )
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -120,3 +120,10 @@ def test_a_write_that_fails_names_the_file_and_leaves_the_old_one_and_no_debris(
     assert str(failed.value) == f"could not write {url}: No space left on device"
     assert failed.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == ["a.json"] and storage.read_json(url) == {"x": 1}
+
+
+def test_write_failures_are_told_from_other_os_errors() -> None:
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert storage.is_write_failure(full)
+    assert storage.is_write_failure(storage.WriteFailed("x", OSError(errno.EACCES, "denied")))
+    assert not storage.is_write_failure(OSError(errno.ECONNRESET, "reset"))

@@ -123,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
             allow_config_change=options.allow_config_change,
             take_over=options.take_over,
         )
-    except storage.WriteFailed as err:  # a full disk: one line, what was written and what next
-        if os.environ.get("FLASHDRAFT_DEBUG"):
+    except OSError as err:  # a full disk: one line, what was written and what next
+        if not storage.is_write_failure(err) or os.environ.get("FLASHDRAFT_DEBUG"):
             raise
-        log.error(f"flashdraft train: error: {err}")
+        then = "" if isinstance(err, storage.WriteFailed) else "; make room, then --resume=auto"
+        log.error(f"flashdraft train: error: {err}{then}")
         return 1
     return 0
