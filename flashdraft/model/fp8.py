@@ -137,6 +137,21 @@ class FP8Linear(nn.Module):
         )
 
 
+def concat_fp8(parts: list[FP8Linear]) -> FP8Linear:
+    """One FP8Linear for several that read the same input (q/k/v, gate/up): their weights
+    and per-channel scales stacked. Exact: a per-token scale depends on the input alone and
+    each output channel keeps its own scale, so the output is the parts' side by side, from
+    one quantisation of the input and one GEMM (what a fused static decode step wants)."""
+    biases = [p.bias for p in parts]
+    if len({b is None for b in biases}) != 1:
+        raise ValueError("concat_fp8: biases on all parts or on none")
+    return FP8Linear(
+        torch.cat([p.weight.detach() for p in parts]),
+        torch.cat([p.weight_scale for p in parts]),
+        None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None]),
+    )
+
+
 def convertible(name: str, module: nn.Module) -> bool:
     """Whether a module of a decoder layer (`name` relative to the layer) runs in FP8."""
     if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in KEEP:

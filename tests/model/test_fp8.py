@@ -532,3 +532,15 @@ def test_fp8_products_on_cuda_eager_and_compiled() -> None:
         assert relative(b, a) < 1e-2  # compiled vs eager: the same quantisation
         assert 0.005 < relative(a, c) < 0.08
     assert eager[0].dtype == torch.bfloat16 and linear.weight.grad.dtype == torch.float32
+
+
+def test_fp8_projections_concatenate_exactly() -> None:
+    """q/k/v (or gate/up) as one FP8Linear: the parts' outputs side by side, bit for bit
+    (per-token input scales, per-channel weight scales), for a fused static decode step."""
+    torch.manual_seed(0)
+    parts = [FP8Linear.from_linear(nn.Linear(64, n).requires_grad_(False)) for n in (64, 32, 32)]
+    x = torch.randn(3, 5, 64)
+    fused = fp8.concat_fp8(parts)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    with pytest.raises(ValueError, match="biases on all parts or on none"):
+        fp8.concat_fp8([parts[0], FP8Linear.from_linear(nn.Linear(64, 16, bias=False))])
