@@ -47,14 +47,14 @@ AMAX_FLOOR = 1e-12
 # Hybrid targets' gate projections into the gated delta rule: the per-head decay (a) and
 # write strength (b). Their outputs (one per value head) act on the recurrent state at every
 # token, so their error compounds along a document, and they are a negligible share of the
-# FLOPs (48 outputs of 5120 inputs in Qwen3.6-27B). FP8 checkpoints leave them unquantised too.
+# FLOPs (48 outputs of 5120 inputs in Qwen3.6-27B).
 KEEP = ("in_proj_a", "in_proj_b", "in_proj_ba")
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]): one scale per row, amax / 448,
-    rounded to nearest (even) by the cast."""
-    wide = x.float()
+    rounded to nearest (even) by the cast; row-major whatever x's strides (`_scaled_mm`)."""
+    wide = x.float().contiguous()
     scale = wide.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
     return (wide / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -62,7 +62,7 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 # Eager CUDA callers (hybrid targets, the decode loops) quantise through one fused kernel:
 # the ops above, run one by one, pass over x in fp32 five times, more than the FP8 GEMM saves.
 # dynamic=True: one graph for every M and K. Inside an already compiled forward the plain
-# function is traced into that graph instead (`FP8Linear.forward`).
+# function is traced into that graph instead (`_quantizer`).
 _quantize_rows_fused = torch.compile(quantize_rows, dynamic=True)
 
 
