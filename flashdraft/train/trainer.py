@@ -49,7 +49,7 @@ from flashdraft.train.features import (
 )
 from flashdraft.train.held_out import HeldOutEval
 from flashdraft.train.layout import resolve_placement
-from flashdraft.train.lock import RunLock
+from flashdraft.train.lock import RunLock, RunLocked, describe
 from flashdraft.train.loss import BlockStats, dpace_alpha_of, loss_slot_weights
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.optim import FiniteGuard, build_optimizer, members
@@ -88,9 +88,14 @@ class Trainer:
     reads at every log point (`train/stopping.py`; None: never stops early)."""
 
     def __init__(
-        self, plan: RunPlan, target_model: Any = None, sigterm: StopRequest | None = None
+        self,
+        plan: RunPlan,
+        target_model: Any = None,
+        sigterm: StopRequest | None = None,
+        lock: RunLock | None = None,
     ) -> None:
         started = time.perf_counter()  # the set-up's time, by part, goes into the banner
+        self.lock = lock  # the run directory's lease, on the rank that holds it
         config, info = plan.config, plan.info
         self.plan, self.config, self.info = plan, config, info
         self.placement = plan.placement
@@ -368,6 +373,12 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         started = time.perf_counter()
+        if self.lock is not None and self.lock.lost is not None:  # noticed by its refresh
+            raise RunLocked(
+                f"{self.run_dir} was taken over by another run ({describe(self.lock.lost)}) "
+                f"before step {self.step}'s checkpoint; stopping without writing: that run owns "
+                "the directory now"
+            )
         save_checkpoint(
             self.run_dir,
             self.step,
@@ -538,8 +549,11 @@ def train(
     info = init_distributed(config.device)
     record: dict[str, Any] = {}
     try:
-        with RunLock(config.output, enabled=info.is_main, take_over=take_over):
-            record = _train_rank(config, info, resume, target_model, dataset, allow_config_change)
+        with RunLock(config.output, enabled=info.is_main, take_over=take_over) as lock:
+            held = lock if info.is_main else None
+            record = _train_rank(
+                config, info, resume, target_model, dataset, allow_config_change, held
+            )
     finally:
         shutdown(info)
     if record:
@@ -556,8 +570,9 @@ def _train_rank(
     target_model: Any,
     dataset: Any,
     allow_config_change: bool,
+    lock: RunLock | None,
 ) -> dict[str, Any]:
-    """What `train` runs on this rank while the run's lease is held."""
+    """What `train` runs on this rank while the run's lease is held (`lock`, on rank 0)."""
     torch.manual_seed(config.seed + info.rank)
     target_config = target_model.config if target_model is not None else None
     if config.parallel.placement == "auto":  # the memory plan's fastest layout that fits
@@ -575,7 +590,7 @@ def _train_rank(
     # SIGTERM and SIGINT checkpoint and stop, in either placement (train/stopping.py)
     with StopRequest() as stop:
         if plan.placement.role != "target":
-            return Trainer(plan, target_model, stop).fit()
+            return Trainer(plan, target_model, stop, lock).fit()
         stopped = serve_target(plan, target_model, stop)
         barrier(info)  # the drafter ranks have written the checkpoint by then
     if stopped is not None:

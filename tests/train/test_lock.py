@@ -97,3 +97,28 @@ def test_two_trains_into_one_output_the_second_is_refused_in_one_line(
         assert err.startswith(f"flashdraft train: error: {run} is being written by another run")
         assert len(err.splitlines()) == 1
         assert sorted(p.name for p in run.iterdir()) == [LOCK]
+
+
+def test_a_run_whose_lease_was_taken_over_stops_without_writing_its_checkpoint(
+    tmp_path, tiny_qwen3_dir, qwen_data, capsys, monkeypatch
+) -> None:
+    """Another run took the directory (--take-over) while this one trained: it stops at its
+    next checkpoint, in one line, and writes none."""
+    from flashdraft.train import trainer
+
+    monkeypatch.setattr(lock, "REFRESH_S", 0.05)
+    run = tmp_path / "run"
+
+    def taken_over(event: str, **fields: object) -> None:
+        if event == "row" and fields.get("step") == 1:
+            _lease(str(run), host="elsewhere", token="another")
+            time.sleep(0.3)  # the refresh notices
+
+    monkeypatch.setattr(trainer, "trace", taken_over)
+    fast = {"optim.max_steps": 2, "checkpoint.every": 1, "drafter.mask_token_id": 151669}
+    assert cli.main(["train", *train_settings(run, tiny_qwen3_dir, qwen_data, **fast)]) == 2
+    err = capsys.readouterr().err
+    assert f"flashdraft train: error: {run} was taken over by another run (pid" in err
+    assert "before step 1's checkpoint; stopping without writing" in err
+    assert not (run / "checkpoints").exists()
+    assert json.loads((run / LOCK).read_text())["token"] == "another"
