@@ -206,7 +206,7 @@ def fp8_refusal(device: torch.device) -> str | None:
         probe = torch.ones(16, 16, device=device, dtype=FP8)
         rows, columns = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
         torch._scaled_mm(probe, probe.t(), scale_a=rows, scale_b=columns, out_dtype=torch.bfloat16)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:  # newer torch raises ValueError for some checks
         said = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return f"torch {torch.__version__}'s _scaled_mm refuses row-wise scales on {name}: {said}"
     return None
