@@ -20,7 +20,9 @@ times of one row: the target's forward and the drafter's step (`Timings`, measur
     share of the step's FLOPs;
 (6) rows shorter by f: loss.anchors / f and optim.grad_accum x f, so the anchors per token and
     the tokens per step stay the same, and so does the work per token (attention runs within
-    documents): the same tokens/s, chosen only to fit. So is a smaller LM-head chunk.
+    documents): the same tokens/s, chosen only to fit. So is a smaller LM-head chunk, and
+    so is an FP8 target (`target.precision`; its speed-up is not counted: the plan takes
+    it only to fit, and says so, since the taps and labels then come from the FP8 forward).
 
 `parallel.placement = "auto"` takes the fastest layout that fits at train start
 (`resolve_auto`; from FLOP estimates, so every rank decides the same without running
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ class Layout:
     checkpointing: bool = False
     row_divisor: int = 1
     chunk_rows: int | None = None  # None: the configured one
+    target_fp8: bool = False  # the target's linear layers in FP8 (`target.precision`)
 
     def describe(self, gpus: int) -> str:
         if self.placement == "split":
@@ -84,7 +87,14 @@ class Layout:
             where += f", rows / {self.row_divisor}"
         if self.chunk_rows is not None:
             where += f", chunk {self.chunk_rows}"
+        if self.target_fp8:
+            where += ", target FP8"
         return where
+
+    def changes_training(self, config: RunConfig) -> bool:
+        """Whether the run would train on other features or rows: shorter rows (documents
+        split at other places), or the target's forward in FP8 (its taps and labels)."""
+        return self.row_divisor > 1 or (self.target_fp8 and config.target.precision != "fp8")
 
     def overrides(self, config: RunConfig) -> list[str]:
         """The `--set` overrides that make `config` run this layout."""
@@ -111,6 +121,8 @@ class Layout:
                 out.append(f"target.forward_rows={config.target.forward_rows * f}")
         if self.chunk_rows is not None:
             out.append(f"loss.chunk_rows={self.chunk_rows}")
+        if self.target_fp8 and config.target.precision != "fp8":
+            out.append('target.precision="fp8"')
         return out
 
     def apply(self, config: RunConfig) -> RunConfig:
@@ -132,6 +144,8 @@ class Layout:
                 out.target.forward_rows *= f
         if self.chunk_rows is not None:
             out.loss.chunk_rows = self.chunk_rows
+        if self.target_fp8:
+            out.target.precision = "fp8"
         return out
 
 
@@ -165,6 +179,8 @@ class Plan:
     timings: Timings
     candidates: list[Candidate]  # fastest first; those that fit before those that do not
 
+    changing: list[Candidate] = field(default_factory=list)  # those that change training
+
     @property
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates and self.candidates[0].fits else None
@@ -186,9 +202,10 @@ class Plan:
         ]
         for c in list(shown.values())[:limit]:
             peaks = " / ".join(f"{m.peak / GB:.1f}" for m in c.memory.values())
-            lines.append(
-                f"  {c.layout.describe(self.gpus):<62} {peaks:>12} {c.tokens_per_s:>9,.0f}"
-            )
+            name = c.layout.describe(self.gpus) + (" *" if c in self.changing else "")
+            lines.append(f"  {name:<62} {peaks:>12} {c.tokens_per_s:>9,.0f}")
+        if any(c in self.changing for c in list(shown.values())[:limit]):
+            lines.append("  * trains on other rows, or on the FP8 target's taps and labels")
         lines.append(
             f"  ({len(fitting)} of {len(self.candidates)} variants fit: checkpointing, shorter "
             "rows, LM-head chunks; each line is its placement's fastest)"
@@ -203,8 +220,9 @@ class Plan:
 
 
 def layouts(config: RunConfig, gpus: int) -> list[Layout]:
-    """Every layout of the run on `gpus` GPUs."""
+    """Every layout of the run on `gpus` GPUs that its config allows."""
     fsdp_ok = config.optim.optimizer != "muon"  # Muon needs whole matrices (config.py)
+    fp8 = config.target.precision == "fp8"
     shardings = ["ddp", "fsdp"] if fsdp_ok else ["ddp"]
     places: list[tuple[str, int, str, bool]] = []
     for sharding in shardings if gpus > 1 else ["ddp"]:
@@ -215,6 +233,9 @@ def layouts(config: RunConfig, gpus: int) -> list[Layout]:
             places.append(("split", target_ranks, sharding, False))
     chunks: list[int | None] = [None]
     chunks += [c for c in CHUNK_ROWS if c < config.loss.chunk_rows]
+    # An FP8 target is offered where the config keeps bf16 weights (FSDP2 gathers in the
+    # weights' dtype: not with a sharded target).
+    precisions = [fp8] if fp8 or config.target.dtype == "float32" else [False, True]
     out = []
     for placement, target_ranks, sharding, shard_target in places:
         for checkpointing in (False, True):
@@ -222,11 +243,21 @@ def layouts(config: RunConfig, gpus: int) -> list[Layout]:
                 if config.data.row_tokens // f < 16 or config.loss.anchors // f < 1:
                     continue
                 for chunk in chunks:
-                    out.append(
-                        Layout(
-                            placement, target_ranks, sharding, shard_target, checkpointing, f, chunk
+                    for target_fp8 in precisions:
+                        if target_fp8 and shard_target:
+                            continue
+                        out.append(
+                            Layout(
+                                placement,
+                                target_ranks,
+                                sharding,
+                                shard_target,
+                                checkpointing,
+                                f,
+                                chunk,
+                                target_fp8,
+                            )
                         )
-                    )
     return out
 
 
@@ -365,19 +396,24 @@ def plan_layouts(
         fits = all(m.total <= capacity for m in mem.values())
         speed = throughput(layout, config, drafter, counts, timings, gpus)
         candidates.append(Candidate(layout, mem, speed, fits))
-    # Fastest first; at equal speed the layout that changes least (no checkpointing, whole
-    # rows, the configured chunk), then the one with the most memory to spare.
+    # Those that fit first, and of them those that train what the config trains (its rows,
+    # its target's precision); then the fastest; at equal speed the layout that changes
+    # least (no checkpointing, whole rows, the configured chunk), then the one with the most
+    # memory to spare.
     candidates.sort(
         key=lambda c: (
             not c.fits,
+            c.layout.changes_training(config),
             -round(c.tokens_per_s, 6),
             c.layout.checkpointing,
             c.layout.row_divisor,
             c.layout.chunk_rows is not None,
+            c.layout.target_fp8 and config.target.precision != "fp8",
             c.peak,
         )
     )
-    return Plan(gpus, capacity, timings, candidates)
+    changing = [c for c in candidates if c.layout.changes_training(config)]
+    return Plan(gpus, capacity, timings, candidates, changing)
 
 
 def device_capacity(device: torch.device) -> float:

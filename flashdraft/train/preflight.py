@@ -5,7 +5,9 @@ optimizer state, gradients kept across micro-batches, buffers in flight) or to o
 it. A step's phases never overlap on the GPU (`Trainer.train_step`: `make_batch`, then
 `draft_loss` and its backward): the target's packed forward under inference mode, whose
 per-layer transients and document mask are freed before its labels are computed and before
-`Target.packed_outputs` returns, the labels' logits chunk, and the drafter's step. The
+`Target.packed_outputs` returns, the labels' logits chunk, the drafter's forward (its saved
+activations and, last, the LM head's chunk) and its backward (the activations not yet
+freed, the gradients made so far: the peak with checkpointed layers). The
 predicted peak (what `torch.cuda.max_memory_allocated` reports) is the held terms plus the
 largest phase; `MemoryEstimate.total` adds the allocator's slack (`MARGIN`).
 
@@ -15,14 +17,22 @@ target and the rows queued to its drafter ranks) or "drafter" (a split placement
 rank: the target's embedding and LM head, the drafter, the rows received).
 
 Calibrated against the records (GB = GiB, as the benches print `max_memory_allocated`):
-the Qwen3.6-27B-shaped hybrid + 5-layer drafter (1,835M) at 8192-token rows peaks at 85.4
-GB in the drafter step and 73.6 GB in the target forward (benchmarks/hybrid_h200_20261201.md;
-this model: 86.7 and 73.3), 86.2 GB at 16384 (this model: 87.6); the 8B-width drafter alone
-23.0 GB (benchmarks/drafter_h200_202611.md; 22.3); DDP's buckets +4.84 GB over one GPU
-(benchmarks/parallel_h200x2_202611.md). The former estimate said 114.1 GB for the 27B at
-16384: it counted the drafter's activations at 16 bytes per (H + I) element per query and
-layer, its gradients whole in the drafter step (with one forward per optimizer step they are
-created layer by layer as the activations are freed), and a 10% margin on top.
+
+| run (H200) | measured | this model |
+|---|---|---|
+| 27B-shaped hybrid + 5-layer drafter (1,835M), 8192-token rows, full step | 85.4 | 86.3 |
+| the same, target forward (the bench held one more row's taps: +0.47) | 73.6 | 73.0 + 0.47 |
+| the same at 16384-token rows | 86.2 | 87.2 |
+| 8B-width 5-layer drafter step alone (benchmarks/drafter_h200_202611.md) | 23.0 | 22.2 |
+| 8B-shaped target + drafter, 2 rows a step (benchmarks/parallel_h200x2_202611.md) | 44.1 | 41.7 |
+| the same, 2 GPUs with DDP | 48.9 | 46.6 |
+| the same, split 1 + 1, drafter rank (the bench also built the whole target there) | 46.7 | 29.4 + 15.3 |
+
+The hybrid's record is benchmarks/hybrid_h200_20261201.md. The former estimate said 114.1 GB
+for the 27B at 16384: it counted the drafter's activations at 16 bytes per (H + I) element
+per query and layer, its gradients whole beside them (with one forward per optimizer step
+they are made layer by layer as the activations are freed: `BACKWARD_PHASE`), and a 10%
+margin on top.
 """
 
 from __future__ import annotations
@@ -59,7 +69,8 @@ MARGIN = 1.05  # the caching allocator's reserved memory over its peak allocatio
 
 TARGET_PHASE = "target forward"
 LABELS_PHASE = "target labels"
-DRAFTER_PHASE = "drafter step"
+DRAFTER_PHASE = "drafter forward"
+BACKWARD_PHASE = "drafter backward"
 ROLES = ("colocated", "target", "drafter")
 
 
@@ -295,16 +306,16 @@ def estimate(
     if replicas > 1 and not sharded:
         add("DDP gradient buckets", p_draft * 4 * DDP_BUCKETS)
     wider = config.drafter.residual_dtype == "float32" and dtype_bytes == 2
-    saved = drafter_saved_bytes_per_query(drafter)
-    if config.drafter.activation_checkpointing:
-        # Each layer keeps its input (the residual stream); one layer's activations exist
-        # again while its backward recomputes them.
-        stream = 4 if wider else dtype_bytes
-        add("drafter layer inputs (checkpointed)", q * layers * h * stream, DRAFTER_PHASE)
-        add("drafter activations (one layer recomputed)", q * saved, DRAFTER_PHASE)
+    layer_acts = q * drafter_saved_bytes_per_query(drafter)  # what one layer keeps
+    checkpointed = config.drafter.activation_checkpointing
+    layer_input = q * h * (4 if wider else dtype_bytes)  # the residual stream into a layer
+    if checkpointed:
+        # Each layer keeps only its input; its activations exist again while its backward
+        # recomputes them, one layer at a time.
+        add("drafter layer inputs (checkpointed)", layers * layer_input, DRAFTER_PHASE)
         kv_layers = 1
     else:
-        add("drafter activations (A*B queries)", q * layers * saved, DRAFTER_PHASE)
+        add("drafter activations (A*B queries)", layers * layer_acts, DRAFTER_PHASE)
         kv_layers = layers
         if wider:
             # `drafter.residual_dtype = "float32"` under a 2-byte target: the norms' outputs
@@ -316,16 +327,41 @@ def estimate(
     # keys are appended ([T, kv] and [T + Q, kv], k and v, bf16).
     context = t * h * dtype_bytes + kv_layers * 2 * (2 * t + q) * kv_dim * dtype_bytes
     add("drafter context + K/V", context, DRAFTER_PHASE)
-    # The forward's last big allocation is the LM head's chunk (the loss and its gradient are
-    # computed in forward); the backward's first, the last layer's fp32 weight gradients.
-    head = config.loss.chunk_rows * drafter.vocab_size * LM_BYTES_PER_LOGIT
+    # The forward's last big allocation: the LM head's chunk (the loss and its gradient are
+    # computed in forward, `train/loss.py`).
     add(
-        "LM head chunk / a layer's gradients",
-        max(head, counts.drafter_layer_max * 4 / split),
+        "LM head chunk",
+        config.loss.chunk_rows * drafter.vocab_size * LM_BYTES_PER_LOGIT,
         DRAFTER_PHASE,
     )
+    # The backward of layer i (last to first) holds the activations of layers 0..i (the
+    # inputs of 0..i and layer i's recomputed activations, checkpointed) and the fp32
+    # gradients of layers i..L-1: linear in i, so the worst is at an end: i = L-1 (every
+    # layer's activations, one layer's gradients) or i = 0 (one layer's activations, every
+    # gradient, the fused context's `fc` too). Gradients held across micro-batches are
+    # counted as held, not again here.
+    grad_layer = 0.0 if config.optim.grad_accum > rows else counts.drafter_layer_max * 4 / split
+    grad_rest = 0.0 if not grad_layer else (p_draft - layers * counts.drafter_layer_max) * 4 / split
+    if checkpointed:
+        last, first = layers * layer_input + layer_acts, layer_input + layer_acts
+    else:
+        last, first = layers * layer_acts, layer_acts
+    if last + grad_layer >= first + layers * grad_layer + grad_rest:
+        acts, grads, where = last, grad_layer, "the last layer's"
+    else:
+        acts, grads, where = first, layers * grad_layer + grad_rest, "the first layer's"
+    add(f"drafter activations at {where} backward", acts, BACKWARD_PHASE)
+    add("drafter gradients (fp32) by then", grads, BACKWARD_PHASE)
+    add("drafter context + K/V ", context, BACKWARD_PHASE)
     if sharded:  # FSDP2 gathers a layer's fp32 weights whole (and the next one prefetched)
-        add("FSDP2 gathered drafter layers (2)", 2 * counts.drafter_layer_max * 4, DRAFTER_PHASE)
+        gathered = 2 * counts.drafter_layer_max * 4
+        add("FSDP2 gathered drafter layers (2)", gathered, DRAFTER_PHASE)
+        # and a layer's whole gradient before its reduce-scatter
+        add(
+            "FSDP2 gathered layers + a whole gradient",
+            gathered + counts.drafter_layer_max * 4,
+            BACKWARD_PHASE,
+        )
     return MemoryEstimate(terms, phases, role)
 
 

@@ -24,23 +24,33 @@ def hybrid():
     return target, drafter, preflight.sizes(target, drafter)
 
 
-def test_one_80_gb_card_needs_checkpointing_and_96_gb_does_not(hybrid) -> None:
+def test_one_gpu_keeps_the_run_checkpoints_or_takes_an_fp8_target_as_memory_shrinks(
+    hybrid,
+) -> None:
+    """The 27B-shaped run on one GPU: unchanged at 96 GB; at 84 GB its drafter checkpointed
+    (the same training, one more forward of the layers); at 80 GB nothing that trains the
+    same fits (a bf16 target, the drafter's fp32 weights, AdamW state and gradients alone
+    are ~78 GB), and the target's forward in FP8 does, marked as changing what is trained."""
     target, drafter, counts = hybrid
     config = load_run_config(None, BASE)
-    plan = layout.plan_layouts(config, drafter, target, 1, 80 * GB, RECORDS, counts)
+    plain = 8192 / (RECORDS.target_s + RECORDS.drafter_s)
+    roomy = layout.plan_layouts(config, drafter, target, 1, 96 * GB, RECORDS, counts).best
+    assert roomy is not None and roomy.layout == layout.Layout("colocated")
+    assert roomy.tokens_per_s == pytest.approx(plain)
+    plan = layout.plan_layouts(config, drafter, target, 1, 84 * GB, RECORDS, counts)
     best = plan.best
     assert best is not None and best.layout.placement == "colocated"
-    assert best.layout.checkpointing and best.memory["colocated"].total <= 80 * GB
+    assert best.layout.checkpointing and not best.layout.changes_training(config)
+    assert best.memory["colocated"].total <= 84 * GB < roomy.memory["colocated"].total
+    assert best.tokens_per_s < plain  # checkpointing: one more forward of the draft layers
     # The layout as its overrides say, read back as a run config: the same estimate.
     again = load_run_config(None, BASE + best.layout.overrides(config))
     assert again == best.layout.apply(config)
     assert preflight.estimate(again, drafter, target, counts=counts).peak == best.peak
-    # Checkpointing costs one more forward of the layers: slower than the plain step.
-    assert best.tokens_per_s < 8192 / (RECORDS.target_s + RECORDS.drafter_s)
-    roomy = layout.plan_layouts(config, drafter, target, 1, 96 * GB, RECORDS, counts).best
-    assert roomy is not None and roomy.layout == layout.Layout("colocated")
-    assert roomy.tokens_per_s == pytest.approx(8192 / (RECORDS.target_s + RECORDS.drafter_s))
-    assert "colocated x1" in plan.table()
+    tight = layout.plan_layouts(config, drafter, target, 1, 80 * GB, RECORDS, counts)
+    assert tight.best is not None and tight.best.layout.target_fp8
+    assert tight.best.layout.changes_training(config) and " *" in tight.table()
+    assert not any(c.fits for c in tight.candidates if not c.layout.changes_training(config))
 
 
 def test_the_seeds_four_96_gb_cards_colocate_rather_than_split(hybrid) -> None:
@@ -73,6 +83,17 @@ def test_nothing_fits_says_so_and_auto_refuses(hybrid) -> None:
     capacity = layout.device_capacity(torch.device("cpu"))
     resolved, _ = layout.resolve_auto(config, target, drafter, 1, capacity)
     assert resolved.parallel.placement == "colocated" and resolved.data == config.data
+
+
+def test_every_layout_is_a_valid_run_config() -> None:
+    """Each layout's overrides load as a run config (the config's own checks pass: no FP8
+    target sharded, no Muon on FSDP2, no target running ahead in the split placement)."""
+    for settings in ([], ['optim.optimizer="muon"', "target.forward_rows=2"]):
+        config = load_run_config(None, [*BASE, *settings])
+        for lay in layout.layouts(config, 4):
+            assert load_run_config(None, BASE + settings + lay.overrides(config)) == lay.apply(
+                config
+            ), lay
 
 
 def test_muon_is_never_sharded_and_split_keeps_one_target_row() -> None:

@@ -67,7 +67,7 @@ def test_each_term_follows_its_setting(setup) -> None:
     for term in (layer, "drafter activations (A*B queries)"):
         assert stacked[term] == pytest.approx(2 * base[term]), term
     assert stacked["target weights"] == base["target weights"]
-    head = "LM head chunk / a layer's gradients"
+    head = "LM head chunk"
     assert stacked[head] == base[head]
     # Two micro-batches a step, one forward each: the gradients live across them.
     config.optim.rows_per_forward = 1
@@ -170,7 +170,7 @@ def test_the_27b_hybrid_is_predicted_within_3_percent_of_its_records(rows, measu
     predicted = (est.held + est.phase_bytes(phase)) / 2**30
     assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
     assert est.total == pytest.approx(est.peak * preflight.MARGIN)
-    assert "peak (held + the drafter step)" in est.table()
+    assert "peak (held + the drafter forward)" in est.table()
 
 
 def test_the_target_forward_and_the_drafter_step_do_not_add_up() -> None:
@@ -178,7 +178,12 @@ def test_the_target_forward_and_the_drafter_step_do_not_add_up() -> None:
     step starts: the peak holds the larger phase only."""
     config, drafter, target = _hybrid_27b(16384)
     est = preflight.estimate(config, drafter, target)
-    phases = [preflight.TARGET_PHASE, preflight.LABELS_PHASE, preflight.DRAFTER_PHASE]
+    phases = [
+        preflight.TARGET_PHASE,
+        preflight.LABELS_PHASE,
+        preflight.DRAFTER_PHASE,
+        preflight.BACKWARD_PHASE,
+    ]
     assert est.peak == pytest.approx(est.held + max(est.phase_bytes(p) for p in phases))
     assert est.peak < est.held + sum(est.phase_bytes(p) for p in phases)
     # Few anchors and long rows: the target's forward is the peak, the drafter's terms drop.
@@ -214,6 +219,12 @@ def test_each_role_holds_its_own_terms() -> None:
     ckpt = preflight.estimate(config, drafter, target, counts=counts)
     saved = ckpt.phase_bytes(preflight.DRAFTER_PHASE)
     assert saved < colocated.phase_bytes(preflight.DRAFTER_PHASE) - 5 * 2**30
+    # Checkpointed, the drafter's peak moves to the end of its backward: every fp32
+    # gradient exists by then, beside one layer's recomputed activations.
+    assert colocated.peak_phase == preflight.DRAFTER_PHASE
+    assert ckpt.peak_phase == preflight.BACKWARD_PHASE
+    assert ckpt.terms["drafter gradients (fp32) by then"] == counts.drafter * 4
+    assert "drafter activations at the first layer's backward" in ckpt.terms
     with pytest.raises(ValueError, match="role"):
         preflight.estimate(config, drafter, target, role="both", counts=counts)
 
