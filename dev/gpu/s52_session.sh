@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 52's device calls (issue 73 hybrid decoding / 32K rows / memory plan, issue 74 FP8),
+# each step under its own timeout, logs in $OUT. Carry .whl/gput (bash dev/gpu/carry.sh gpu).
+#   bash dev/gpu/s52_session.sh a    # hybrid decode bench, 27B hybrid at 8192 + 32768 rows, gpu tests
+#   bash dev/gpu/s52_session.sh b    # 8B-shaped step bf16 vs fp8, the plan on an 80 GB cap
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/gput/*.whl > "$OUT/pip.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - t0))s"
+  grep -v '^\[transformers\]' "$OUT/$name.log" | grep -E '^\{' | tail -1 | cut -c1-1500
+}
+case ${1:-a} in
+  a)
+    step decode 270 python3 bench/hybrid_decode.py --compare-step
+    step rows27b 200 python3 bench/trainer.py --geometry 27b-hybrid --rows 8192,32768 \
+      --skip-overlap-off --warmup 2 --iters 4
+    step tests 100 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
+      tests/model/test_fp8.py tests/model/test_hybrid.py -k "varlen_attention or fused or graphed or fp8 or scaled"
+    tail -3 "$OUT/tests.log"
+    ;;
+  b)
+    step bf16_8b 150 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 6
+    step fp8_8b 150 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 6 \
+      --precision fp8
+    step plan80 200 python3 bench/plan.py --geometry 27b-hybrid --gb 80
+    ;;
+esac
