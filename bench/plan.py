@@ -111,6 +111,8 @@ def main() -> int:
     if best is None:
         print_json({**result, "chosen": None, **environment()})
         return 1
+    for role, estimate in best.memory.items():  # the terms, to re-fit them from a run
+        log.info(f"predicted memory of a {role} GPU:\n{estimate.table()}")
     result["chosen"] = best.layout.describe(args.gpus)
     result["overrides"] = best.layout.overrides(config)
     result["predicted_peak_gb"] = {r: round(m.peak / GB, 2) for r, m in best.memory.items()}

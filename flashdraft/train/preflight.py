@@ -104,12 +104,12 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows = [
-            f"  {name:<44} {value / GB:8.2f} GB  {self.phases.get(name, 'held')}"
+            f"  {name:<50} {value / GB:8.2f} GB  {self.phases.get(name, 'held')}"
             for name, value in self.terms.items()
         ]
-        rows.append(f"  {'peak (held + the ' + self.peak_phase + ')':<44} {self.peak / GB:8.2f} GB")
+        rows.append(f"  {'peak (held + the ' + self.peak_phase + ')':<50} {self.peak / GB:8.2f} GB")
         rows.append(
-            f"  {'needed (x' + str(MARGIN) + ' allocator slack)':<44} {self.total / GB:8.2f} GB"
+            f"  {'needed (x' + str(MARGIN) + ' allocator slack)':<50} {self.total / GB:8.2f} GB"
         )
         return "\n".join(rows)
 
@@ -352,7 +352,7 @@ def estimate(
         acts, grads, where = first, layers * grad_layer + grad_rest, "the first layer's"
     add(f"drafter activations at {where} backward", acts, BACKWARD_PHASE)
     add("drafter gradients (fp32) by then", grads, BACKWARD_PHASE)
-    add("drafter context + K/V ", context, BACKWARD_PHASE)
+    add("drafter context + K/V (still held)", context, BACKWARD_PHASE)
     if sharded:  # FSDP2 gathers a layer's fp32 weights whole (and the next one prefetched)
         gathered = 2 * counts.drafter_layer_max * 4
         add("FSDP2 gathered drafter layers (2)", gathered, DRAFTER_PHASE)
