@@ -9,13 +9,14 @@ times of one row: the target's forward and the drafter's step (`Timings`, measur
 
 (1) colocated: every rank runs both, one after the other: N rows per t_target + t_drafter;
 (2) DDP: one all-reduce of the fp32 gradients per optimizer step, 2 (N-1)/N of their bytes at
-    `BUS_BYTES_PER_S`, not hidden (2 x H200: 918 -> 933-939 ms a step for 4.2 GB;
-    benchmarks/parallel_h200x2_202611.md);
+    `BUS_BYTES_PER_S`, not hidden (2 x H200, 8B-shaped: one GPU's 918 ms a step becomes
+    936 predicted, 933-939 measured; benchmarks/parallel_h200x2_202611.md);
 (3) FSDP2 (the drafter's, or the target's layers): the gathers and the reduce-scatter run
     beside the compute, prefetched: each part takes the longer of its compute and its traffic,
     plus one layer's share of the traffic, which nothing hides;
 (4) split: a pipeline, target ranks feeding drafter ranks: rows/s = min(T / t_target,
-    D / t_drafter) (2 x H200, 8B: 556 ms predicted for 538-557 measured);
+    D / t_drafter) (the same record, split 1 + 1: 582 ms a step predicted, 538-557
+    measured; tests/train/test_layout.py holds both);
 (5) checkpointing: the drafter step plus one more forward of its layers, a third of their
     share of the step's FLOPs;
 (6) rows shorter by f: loss.anchors / f and optim.grad_accum x f, so the anchors per token and
