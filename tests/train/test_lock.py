@@ -122,3 +122,20 @@ def test_a_run_whose_lease_was_taken_over_stops_without_writing_its_checkpoint(
     assert "before step 1's checkpoint; stopping without writing" in err
     assert not (run / "checkpoints").exists()
     assert json.loads((run / LOCK).read_text())["token"] == "another"
+
+
+@pytest.mark.slow  # a moto server's start-up (3 s): memory:// runs the same code by default
+def test_the_lease_on_s3_refuses_a_second_writer_and_is_taken_over_when_stale(s3) -> None:
+    """Object storage (moto's S3 server): no exclusive create, the lease is written and read
+    back; a stale one (a lost node's) is taken over."""
+    fs, _ = s3
+    run = "s3://runs/run"
+    with RunLock(run), pytest.raises(RunLocked, match=f"{run} is being written by another run"):
+        RunLock(run).acquire()
+    assert not fs.exists("runs/run/LOCK")
+    stale = {"host": "elsewhere", "pid": 1, "started": "then", "token": "theirs"}
+    fs.pipe(
+        "runs/run/LOCK", json.dumps({**stale, "refreshed": time.time() - lock.STALE_S - 1}).encode()
+    )
+    with RunLock(run) as held:
+        assert json.loads(fs.cat("runs/run/LOCK"))["token"] == held.token
