@@ -251,6 +251,11 @@ def assign_placement(info: DistInfo, kind: str, target_ranks: int) -> Placement:
     ranks = tuple(range(info.world))
     if kind == "colocated":
         return Placement("colocated", "colocated", info.rank, info.world, ranks, ranks)
+    if kind == "auto":  # `train` resolves it first (train/layout.py: resolve_placement)
+        raise ValueError(
+            "parallel.placement = 'auto' is chosen by `flashdraft train` at start-up; here set "
+            "'colocated' or 'split' (`flashdraft train --plan` says which fits)"
+        )
     if not 1 <= target_ranks < info.world:
         raise ValueError(
             f"split placement needs 1 <= parallel.target_ranks < world size; got "

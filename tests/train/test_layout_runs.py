@@ -15,7 +15,7 @@ from flashdraft import cli
 from flashdraft.model.config import DrafterConfig
 from flashdraft.train import layout
 from flashdraft.train.config import load_run_config
-from flashdraft.train.parallel import DistInfo
+from flashdraft.train.parallel import DistInfo, assign_placement
 
 GB = 2**30
 
@@ -75,3 +75,6 @@ def test_auto_resolves_to_the_plan_on_this_device(tiny_qwen3_dir) -> None:
     assert resolved.parallel.placement == "colocated"
     assert not resolved.drafter.activation_checkpointing
     assert resolved.data == config.data and config.parallel.placement == "auto"
+    # Unresolved (a command other than train building the run), it says what to set.
+    with pytest.raises(ValueError, match="chosen by `flashdraft train` at start-up"):
+        assign_placement(info, "auto", 0)
