@@ -22,18 +22,21 @@ from flashdraft.config import ConfigError
 from flashdraft.data.audit import Thresholds, audit_dataset
 from flashdraft.data.dataset import open_dataset
 from flashdraft.data.formats import parse_record
-from flashdraft.data.generate import GenerateConfig, Summary, generate
+from flashdraft.data.generate import GenerateConfig, Summary, _write_answers, generate
 from flashdraft.data.inference import Sampling
 from flashdraft.data.jobs import jobs_from_record
 from flashdraft.data.openai_backend import (
+    Completion,
+    Failure,
     OpenAIClient,
+    Reply,
     ServerError,
     ServerOptions,
     backoff,
     parse_completion,
     request_body,
 )
-from flashdraft.data.output_log import answer_record, errors_url, rejected_url
+from flashdraft.data.output_log import OutputLog, answer_record, errors_url, rejected_url
 
 # The real-server tests: marked `server` (`make server-test`, run by `make test` and CI, out
 # of the default `pytest` run), skipped with the reason where llama_cpp is not installed.
@@ -65,7 +68,9 @@ def _prompts(path: Path, count: int) -> Path:
     return path
 
 
-def _config(prompts: Path, output: Path, url: str, **server: Any) -> GenerateConfig:
+def _config(
+    prompts: Path, output: Path, url: str, sampling: Sampling | None = None, **server: Any
+) -> GenerateConfig:
     from flashdraft.assets import smollm2_path
 
     options = {"model": MODEL, "concurrency": 2, "retry_backoff": 0.02, "api_key_env": KEY_ENV}
@@ -75,7 +80,7 @@ def _config(prompts: Path, output: Path, url: str, **server: Any) -> GenerateCon
         output=str(output),
         backend="openai",
         server=ServerOptions(base_url=url, **{**options, **server}),
-        sampling=Sampling(max_new_tokens=8),
+        sampling=sampling or Sampling(max_new_tokens=8),
         keep_truncated=True,  # short answers, most cut: kept, so prepare has every one
         progress=False,
     )
@@ -226,10 +231,16 @@ def test_every_prompt_is_answered_once_and_feeds_prepare_and_audit(
     record = json.loads(output.read_text().splitlines()[0])
     assert record["generation"]["target"] == "smollm2-135m-instruct"
     assert record["completion"] and record["prompt_tokens"] > 10
-    # Greedy answers are the server's own: the same question, the same answer.
-    by_question = {json.loads(line)["prompt"][0]["content"]: json.loads(line)["completion"]
-                   for line in output.read_text().splitlines()}  # fmt: skip
-    assert len(by_question) == 6
+    # Each answer is its own prompt's: the server answers q3's question alone the same way
+    # (greedy), whatever else the concurrent requests carried.
+    records = {json.loads(line)["id"]: json.loads(line) for line in output.read_text().splitlines()}
+    client = OpenAIClient(ServerOptions(base_url=server.url, model=MODEL, api_key_env=KEY_ENV))
+    alone = client.complete(
+        request_body(records["q3#1"]["prompt"], None, Sampling(max_new_tokens=8), seed=0)
+    )
+    assert not isinstance(alone, Failure)
+    assert alone.replies[0].text == records["q3#1"]["completion"]
+    assert records["q3#1"]["prompt"][-1]["content"] == QUESTIONS[3]
 
     again = generate(_config(prompts, output, server.url))  # nothing left to do
     assert (again.already_done, again.written) == (6, 0)
@@ -341,3 +352,34 @@ def test_a_server_rendering_another_template_is_warned_about(
     warnings = [r.message for r in caplog.records if "prompt tokens" in r.message]
     assert len(warnings) == 2  # the probe's and the first prompt's, then only counted
     assert "its chat template or tokenizer differs" in warnings[0]
+
+
+def test_answers_per_prompt_are_records_of_their_own(tmp_path: Path) -> None:
+    """n answers of one request: ids ID, ID~1, ...; answer 0 written last (its id marks the
+    prompt done, so a write cut in between redoes the prompt)."""
+    prompts = _prompts(tmp_path / "in.jsonl", 1)
+    sampling = Sampling(temperature=1.0, max_new_tokens=8)
+    config = _config(prompts, tmp_path / "o.jsonl", "http://x", sampling, answers_per_prompt=3)
+    (job,) = jobs_from_record({"id": "q", "prompt": "Hi"}, "f:1", "last")
+    replies = [Reply(text, None, None, "stop") for text in ("A", "", "C")]  # "" is rejected
+    output = OutputLog(config.output)
+    summary = Summary()
+    _write_answers(job, 5, Completion(replies, 5, 12), config, {}, output, summary)
+    output.close()
+    assert _ids(tmp_path / "o.jsonl") == ["q#1~2", "q#1"]
+    assert _ids(tmp_path / "o.rejected.jsonl") == ["q#1~1"]
+    assert (summary.written, summary.rejected["empty"], summary.short_replies) == (2, 1, 0)
+
+
+@pytest.mark.server
+@needs_server
+def test_a_server_without_n_gives_one_answer_per_prompt_and_a_warning(
+    tmp_path: Path, server: LlamaServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompts = _prompts(tmp_path / "in.jsonl", 2)
+    sampling = Sampling(temperature=0.8, max_new_tokens=8)
+    config = _config(prompts, tmp_path / "out.jsonl", server.url, sampling, answers_per_prompt=2)
+    summary = generate(config)  # llama-cpp-python's server drops `n`
+    assert (summary.written, summary.short_replies) == (2, 2)
+    assert _answered(tmp_path / "out.jsonl") == Counter(["q0#1", "q1#1"])
+    assert any("it may not support n" in r.message for r in caplog.records)
