@@ -291,6 +291,14 @@ def dp_all_reduce_min(tensor: Tensor, placement: Placement) -> Tensor:
     return tensor
 
 
+def vote_stop(asked: bool, group: Any) -> bool:
+    """Whether any rank of `group` (the split placement's `control`) was asked to stop: a CPU
+    all-reduce, a host sync at a stop point only (train/stopping.py)."""
+    flag = torch.tensor([float(asked)])
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
+    return bool(flag.item() > 0)
+
+
 def dp_barrier(placement: Placement) -> None:
     if placement.dp_world > 1:
         dist.barrier(group=placement.group)

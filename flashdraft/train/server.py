@@ -23,9 +23,9 @@ from flashdraft.train.features import (
     rows_on_device,
     target_outputs,
 )
-from flashdraft.train.parallel import FeatureSender, send_head
+from flashdraft.train.parallel import FeatureSender, send_head, vote_stop
 from flashdraft.train.plan import RunPlan
-from flashdraft.train.stopping import StopRequest, is_stop_point, vote
+from flashdraft.train.stopping import StopRequest, is_stop_point
 
 
 def serve_target(
@@ -75,13 +75,13 @@ def serve_target(
     for peer in order:
         while stopped is None and points and sent[peer] >= points[0][1]:  # its next row is past
             step, limit = points.popleft()
-            stopped = step if vote(stop is not None and stop.requested, control) else None
+            stopped = step if vote_stop(stop is not None and stop.requested, control) else None
         if stopped is not None:
             break
         send(peer)
     while stopped is None and points:  # fed to the end: the votes the drafters still cast
         step, limit = points.popleft()
-        stopped = step if vote(stop is not None and stop.requested, control) else None
+        stopped = step if vote_stop(stop is not None and stop.requested, control) else None
     if stopped is not None:  # every consumer gets exactly the rows it posted receives for
         for peer in consumers:
             while sent[peer] < min(limit, plan.rows_left):

@@ -20,7 +20,7 @@ that is the next log point; otherwise it may be the next checkpoint, eval or the
 In the split placement the target ranks run ahead of the drafters through a queue, so the
 stop is agreed by every rank, target ranks included, in a vote over a CPU (gloo) group at each
 stop point (`is_stop_point`: the log points before the end, known to both sides from the
-config). A drafter rank votes when it reaches the point S; a target rank when its next row for
+config; `parallel.vote_stop`). A drafter rank votes when it reaches the point S; a target rank when its next row for
 a consumer would go past the rows that consumer has posted receives for by then (its rows up
 to S and `parallel.queue_depth` - 1 more: `FeatureReceiver`). So on a stop every row sent has
 a receive posted for it and none is posted without a row: the drafter ranks write the
@@ -42,9 +42,6 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 # 128 + SIGTERM: what a shell reports for a process SIGTERM ended, so a script that checks
 # the status sees an unfinished run (a Ctrl-C stop exits with it too: one status for "stopped,
 # resumable"). Under torchrun each worker exits with it and torchrun itself exits 1, as for
@@ -64,14 +61,6 @@ def is_stop_point(step: int, total: int, log_every: int, checkpoint_every: int) 
     before the end. The split placement votes at exactly these."""
     at_checkpoint = checkpoint_every > 0 and step % checkpoint_every == 0
     return step < total and (step % log_every == 0 or at_checkpoint)
-
-
-def vote(asked: bool, group: Any) -> bool:
-    """Whether any rank of `group` was asked to stop (a CPU all-reduce: a host sync, at a
-    stop point only)."""
-    flag = torch.tensor([float(asked)])
-    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
-    return bool(flag.item() > 0)
 
 
 class TrainingStopped(Exception):

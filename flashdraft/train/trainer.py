@@ -63,6 +63,7 @@ from flashdraft.train.parallel import (
     gradient_sync,
     init_distributed,
     shutdown,
+    vote_stop,
     wrap_drafter,
 )
 from flashdraft.train.plan import RunPlan, initial_drafter, plan_run
@@ -75,7 +76,6 @@ from flashdraft.train.stopping import (
     StopRequest,
     TrainingStopped,
     is_stop_point,
-    vote,
 )
 
 log = get_logger(__name__)
@@ -482,7 +482,7 @@ class Trainer:
                 self.step, self.total_steps, config.log.every, config.checkpoint.every
             ):  # split: the target ranks vote too (train/stopping.py)
                 asked = self.sigterm is not None and self.sigterm.requested
-                self.stop_agreed = vote(asked, self.placement.control)
+                self.stop_agreed = vote_stop(asked, self.placement.control)
             # A stop is at a log point (checked finite, its interval logged) that ends the
             # target's run-ahead group (the same step on every rank): the resumed run then
             # forms the same groups and logs the same intervals, bit for bit.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -112,7 +114,7 @@ def test_a_split_stop_leaves_no_row_in_flight(monkeypatch, depth, accum, consume
             "device_put": lambda device: None,
             "rows_on_device": lambda rows, put: None,
             "target_outputs": lambda *args: None,
-            "vote": fake_vote,
+            "vote_stop": fake_vote,
         }.items():
             monkeypatch.setattr(server, name, value)
         config = SimpleNamespace(
@@ -150,3 +152,9 @@ def test_a_split_stop_leaves_no_row_in_flight(monkeypatch, depth, accum, consume
     drained = receiver.drain()
     assert sent == dict.fromkeys(range(1, consumers + 1), 4 * accum + drained)
     assert drained == min(depth - 1, 4 * accum) and receiver.remaining == 0
+
+
+def test_the_console_script_imports_no_torch_for_the_stop() -> None:
+    """`flashdraft.cli` imports this module for every command: torch stays out of `audit`."""
+    code = "import sys, flashdraft.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
