@@ -101,10 +101,10 @@ class Layout:
         """The `--set` overrides that make `config` run this layout."""
         p = config.parallel
         out = [f'parallel.placement="{self.placement}"']
-        if self.placement == "split":
+        if self.target_ranks != p.target_ranks:
             out.append(f"parallel.target_ranks={self.target_ranks}")
-            if config.target.forward_rows != 1:
-                out.append("target.forward_rows=1")
+        if self.placement == "split" and config.target.forward_rows != 1:
+            out.append("target.forward_rows=1")
         if self.drafter_sharding != p.drafter_sharding:
             out.append(f'parallel.drafter_sharding="{self.drafter_sharding}"')
         if self.shard_target != p.shard_target:

@@ -88,7 +88,8 @@ def test_nothing_fits_says_so_and_auto_refuses(hybrid) -> None:
 def test_every_layout_is_a_valid_run_config() -> None:
     """Each layout's overrides load as a run config (the config's own checks pass: no FP8
     target sharded, no Muon on FSDP2, no target running ahead in the split placement)."""
-    for settings in ([], ['optim.optimizer="muon"', "target.forward_rows=2"]):
+    split = ['parallel.placement="split"', "parallel.target_ranks=2"]
+    for settings in ([], ['optim.optimizer="muon"', "target.forward_rows=2"], split):
         config = load_run_config(None, [*BASE, *settings])
         for lay in layout.layouts(config, 4):
             assert load_run_config(None, BASE + settings + lay.overrides(config)) == lay.apply(
