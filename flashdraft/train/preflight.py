@@ -260,14 +260,11 @@ def estimate(
                 2 * counts.target_layer_max * dtype_bytes,
                 TARGET_PHASE,
             )
-        # Targets whose attention is not flex (hybrids: transformers has none; or a configured
-        # implementation) take the packed row's document mask dense: [T, T] booleans, and
-        # SDPA's additive copy of it in the target dtype.
-        dense = linear_layer_ids(target_config) or config.target.attn_implementation not in (
-            None,
-            "flex_attention",
-            "varlen",
-        )
+        # A target loaded with an attention that is neither flex nor varlen (configured: on
+        # CUDA every target, hybrids too, defaults to one of those, `target.default_attention`)
+        # takes the packed row's document mask dense: [T, T] booleans, and SDPA's additive
+        # copy of it in the target dtype.
+        dense = config.target.attn_implementation not in (None, "flex_attention", "varlen")
         if dense:
             add(
                 "dense document mask [T, T] (sdpa)",

@@ -230,18 +230,19 @@ def test_each_role_holds_its_own_terms() -> None:
 
 
 def test_a_dense_document_mask_is_counted_where_the_target_takes_one(setup) -> None:
-    """Hybrids load with sdpa (no flex in transformers) and take the row's mask dense; a
-    dense target with flex does not; a configured non-flex implementation does."""
+    """On CUDA every target, hybrids too, takes varlen (or flex) attention by default: no
+    mask; a configured sdpa takes the row's mask dense."""
     config, drafter, target = setup
     name = "dense document mask [T, T] (sdpa)"
     assert name not in preflight.estimate(config, drafter, target, 10**6).terms
     hybrid = qwen3_6_27b_text_config()
     hybrid_drafter = DrafterConfig.from_target_config(hybrid, mask_token_id=248070)
-    terms = preflight.estimate(config, hybrid_drafter, hybrid, 10**6).terms
-    t = config.data.row_tokens
-    assert terms[name] == t * t * 3  # bool + bf16 additive copy
+    assert name not in preflight.estimate(config, hybrid_drafter, hybrid, 10**6).terms
     sdpa = load_run_config(
         None,
         ["output=x", "target.path=x", 'data.datasets=["z"]', 'target.attn_implementation="sdpa"'],
     )
+    terms = preflight.estimate(sdpa, hybrid_drafter, hybrid, 10**6).terms
+    t = config.data.row_tokens
+    assert terms[name] == t * t * 3  # bool + bf16 additive copy
     assert name in preflight.estimate(sdpa, drafter, target, 10**6).terms
