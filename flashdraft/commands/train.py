@@ -111,10 +111,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_with_measurement(
             config, options.plan_gpus, options.plan_gb, options.plan_measure
         )
-        print(plan.table(), flush=True)
-        best = plan.best
-        if best is not None:
-            print("chosen: --set " + " --set ".join(best.layout.overrides(config)))
+        print(plan.report(config), flush=True)
         return 0
     try:
         train(

@@ -219,6 +219,17 @@ class Plan:
             )
         return "\n".join(lines)
 
+    def report(self, config: RunConfig) -> str:
+        """The table, the chosen layout's memory term by term on each kind of GPU, and the
+        overrides that run it (`flashdraft train --plan`)."""
+        lines = [self.table()]
+        best = self.best
+        if best is not None:
+            for role, estimate in best.memory.items():
+                lines.append(f"{best.layout.describe(self.gpus)}: a {role} GPU\n{estimate.table()}")
+            lines.append("chosen: --set " + " --set ".join(best.layout.overrides(config)))
+        return "\n".join(lines)
+
 
 def layouts(config: RunConfig, gpus: int) -> list[Layout]:
     """Every layout of the run on `gpus` GPUs that its config allows."""

@@ -125,6 +125,7 @@ def test_train_plan_measures_a_step_here_and_prints_the_layouts(
     assert "memory plan: 4 GPU(s) of 96.0 GB; times of one row measured on cpu" in out
     assert "split 2 target + 2 drafter" in out
     assert 'chosen: --set parallel.placement="colocated"' in out
+    assert "a colocated GPU" in out and "optimizer state (adamw)" in out  # its terms
     assert not (tmp_path / "run" / "export").exists()  # a plan trains nothing
     assert cli.main(["train", *settings, *plan, "--no-plan-measure"]) == 0
     assert "estimated from FLOPs" in capsys.readouterr().out
