@@ -3,6 +3,7 @@
 # each step under its own timeout, logs in $OUT. Carry .whl/gput (bash dev/gpu/carry.sh gpu).
 #   bash dev/gpu/s52_session.sh a    # hybrid decode bench, 27B hybrid at 8192 + 32768 rows, gpu tests
 #   bash dev/gpu/s52_session.sh b    # 8B-shaped step bf16 vs fp8, the plan on an 80 GB cap
+#   bash dev/gpu/s52_session.sh c    # one H100 call: hybrid decode (48 slots), 8B bf16 vs fp8, tests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,5 +32,14 @@ case ${1:-a} in
     step fp8_8b 150 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 6 \
       --precision fp8
     step plan80 200 python3 bench/plan.py --geometry 27b-hybrid --gb 80
+    ;;
+  c)
+    step decode 200 python3 bench/hybrid_decode.py --slots 48 --prompts 96 --hf-rows 16
+    step bf16_8b 140 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 4
+    step fp8_8b 140 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 4 \
+      --precision fp8
+    step tests 80 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
+      tests/model/test_fp8.py tests/model/test_hybrid.py -k "varlen_attention or fused or graphed or fp8"
+    tail -3 "$OUT/tests.log"
     ;;
 esac
