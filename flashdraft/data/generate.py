@@ -596,6 +596,7 @@ def run_openai(
                 written=summary.written,
                 rejected=sum(summary.rejected.values()),
                 failed=summary.failed,
+                retries=summary.retries,
             )
     finally:
         summary.seconds = time.perf_counter() - start

@@ -7,8 +7,8 @@ server's reasoning parser's `reasoning_content` / `reasoning`, else a `<think>` 
 text) and its `tool_calls` (`Reply`). `generate` writes them in the record format `prepare`
 reads, through the same append-only output log as every backend.
 
-The client (`OpenAIClient`) keeps `concurrency` requests in flight on a pool of threads
-sharing one httpx connection pool. A request that fails on a connection error, a timeout,
+The client (`OpenAIClient`) keeps `concurrency` requests in flight on as many threads sharing
+one httpx connection pool. A request that fails on a connection error, a timeout,
 429 or 5xx is retried up to `max_retries` times with exponential backoff and full jitter
 (a server's `Retry-After` is a floor); after the last try it is a `Failure`, which `generate`
 writes to `OUT.errors.jsonl` (a re-run tries it again), never dropped. `probe` runs one
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -270,30 +270,44 @@ class OpenAIClient:
         """(key, result) for every request, in the order they finish, `concurrency` in flight.
 
         Requests are taken from `requests` only as slots free up (a lazy input stays lazy).
-        Stopping early (the caller breaks, or an interrupt) abandons what is in flight: the
-        pool is not waited for and the connections are closed.
+        Stopping early (the caller breaks, or an interrupt) abandons what is in flight: no new
+        tries, and the workers are daemon threads, so a Ctrl-C exits at once instead of
+        waiting for answers that may take minutes (a thread pool's workers are joined at exit).
         """
-        pool = ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="openai")
-        pending: dict[Future[Completion | Failure], K] = {}
+        todo: queue.SimpleQueue[tuple[K, dict[str, Any]] | None] = queue.SimpleQueue()
+        done: queue.SimpleQueue[tuple[K, Completion | Failure]] = queue.SimpleQueue()
+
+        def work() -> None:
+            while (item := todo.get()) is not None:
+                done.put((item[0], self.complete(item[1])))
+
+        workers = [
+            threading.Thread(target=work, name=f"openai-{i}", daemon=True)
+            for i in range(self.options.concurrency)
+        ]
+        for worker in workers:
+            worker.start()
         source = iter(requests)
-        exhausted = False
+        in_flight, exhausted = 0, False
         try:
             while True:
-                while not exhausted and len(pending) < self.options.concurrency:
+                while not exhausted and in_flight < self.options.concurrency:
                     item = next(source, None)
                     if item is None:
                         exhausted = True
                         break
-                    pending[pool.submit(self.complete, item[1])] = item[0]
-                if not pending:
+                    todo.put(item)
+                    in_flight += 1
+                if not in_flight:
                     return
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    yield pending.pop(future), future.result()
+                key, result = done.get()
+                in_flight -= 1
+                yield key, result
         finally:
-            if pending:  # abandoned: no new tries, and their sockets close with the client
+            if in_flight:  # abandoned
                 self._stop.set()
-            pool.shutdown(wait=not pending, cancel_futures=True)
+            for _ in workers:
+                todo.put(None)
 
     # -- start-up ------------------------------------------------------------------------
 
