@@ -383,3 +383,32 @@ def test_a_server_without_n_gives_one_answer_per_prompt_and_a_warning(
     assert (summary.written, summary.short_replies) == (2, 2)
     assert _answered(tmp_path / "out.jsonl") == Counter(["q0#1", "q1#1"])
     assert any("it may not support n" in r.message for r in caplog.records)
+
+
+@pytest.mark.server
+@needs_server
+def test_the_guides_command_line_runs(tmp_path: Path, server: LlamaServer) -> None:
+    """docs/data.md's `--backend openai` line (tests/test_docs.py leaves it out: it needs a
+    server) runs against the real one, its values swapped for SmolLM2's and small ones."""
+    from flashdraft.assets import smollm2_path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    start = text.index('OPENAI_API_KEY="$KEY" flashdraft generate')
+    line = text[start : text.index("```", start)].replace("\\\n", " ")
+    argv = line.split()[2:]  # after the key and `flashdraft`
+    swap = {
+        "--base-url": server.url,
+        "--model": MODEL,
+        "--target": str(smollm2_path()),
+        "--prompts": str(_prompts(tmp_path / "in.jsonl", 2)),
+        "--output": str(tmp_path / "out.jsonl"),
+        "--thinking": "off",  # SmolLM2's template has no switch
+        "--max-new-tokens": "8",
+        "--concurrency": "2",
+    }
+    assert set(swap) <= set(argv)
+    for i, word in enumerate(argv[:-1]):
+        if word in swap:
+            argv[i + 1] = swap[word]
+    assert cli.main([*argv, "--api-key-env", KEY_ENV, "--keep-truncated", "--no-progress"]) == 0
+    assert _answered(tmp_path / "out.jsonl") == Counter(["q0#1", "q1#1"])
