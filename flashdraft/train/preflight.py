@@ -6,8 +6,9 @@ it. A step's phases never overlap on the GPU (`Trainer.train_step`: `make_batch`
 `draft_loss` and its backward): the target's packed forward under inference mode, whose
 per-layer transients and document mask are freed before its labels are computed and before
 `Target.packed_outputs` returns, the labels' logits chunk, the drafter's forward (its saved
-activations and, last, the LM head's chunk) and its backward (the activations not yet
-freed, the gradients made so far: the peak with checkpointed layers). The
+activations and, last, the LM head's chunk), its backward (the activations not yet freed,
+the gradients made so far: the peak with checkpointed layers) and the optimizer step (every
+gradient; Muon's batched Newton-Schulz: its peak with a large drafter). The
 predicted peak (what `torch.cuda.max_memory_allocated` reports) is the held terms plus the
 largest phase; `MemoryEstimate.total` adds the allocator's slack (`MARGIN`).
 
@@ -65,12 +66,17 @@ LM_BYTES_PER_LOGIT = 14
 # DDP keeps its gradient buckets beside the gradients: +4.84 GB for 1,049M fp32 gradients
 # (3.91 GB) on two H200s (benchmarks/parallel_h200x2_202611.md).
 DDP_BUCKETS = 1.24
+# Muon's step on one batch of same-shaped matrices (`train/optim.py`): the stacked fp32
+# gradients, momenta, Nesterov update and step (4 x 4 bytes) and three bf16 Newton-Schulz
+# iterates (3 x 2), per element.
+MUON_BYTES = 22
 MARGIN = 1.05  # the caching allocator's reserved memory over its peak allocation
 
 TARGET_PHASE = "target forward"
 LABELS_PHASE = "target labels"
 DRAFTER_PHASE = "drafter forward"
 BACKWARD_PHASE = "drafter backward"
+OPTIMIZER_PHASE = "optimizer step"
 ROLES = ("colocated", "target", "drafter")
 
 
@@ -124,6 +130,9 @@ class Sizes:
     target_head: int  # embedding + LM head (a split drafter rank receives them)
     drafter: int
     drafter_layer_max: int
+    # The most elements of the drafter's weight matrices of one shape: what Muon orthogonalises
+    # as one batch (`train/optim.py`: gate and up of every layer, for one).
+    drafter_matrix_group: int = 0
     target_fp8: int = 0  # weights of the linear layers `target.precision = "fp8"` converts
 
 
@@ -136,6 +145,10 @@ def sizes(target_config: Any, drafter: DrafterConfig) -> Sizes:
         model = AutoModelForCausalLM.from_config(target_config)
         draft = DFlashDrafter(drafter)
     layers = [param_count(layer) for layer in decoder_layers(model)]
+    groups: dict[tuple[int, ...], int] = {}
+    for param in draft.parameters():
+        if param.ndim == 2 and min(param.shape) > 1:
+            groups[tuple(param.shape)] = groups.get(tuple(param.shape), 0) + param.numel()
     total = param_count(model)
     text = target_config.get_text_config()
     head = text.vocab_size * text.hidden_size * (1 if text.tie_word_embeddings else 2)
@@ -146,6 +159,7 @@ def sizes(target_config: Any, drafter: DrafterConfig) -> Sizes:
         target_head=head,
         drafter=param_count(draft),
         drafter_layer_max=max(param_count(layer) for layer in draft.layers),
+        drafter_matrix_group=max(groups.values(), default=0),
         target_fp8=fp8_weight_count(decoder_layers(model)),
     )
 
@@ -350,6 +364,16 @@ def estimate(
     add(f"drafter activations at {where} backward", acts, BACKWARD_PHASE)
     add("drafter gradients (fp32) by then", grads, BACKWARD_PHASE)
     add("drafter context + K/V (still held)", context, BACKWARD_PHASE)
+    # The optimizer step: every gradient (fused AdamW updates in place, no temporaries),
+    # and Muon's batched Newton-Schulz on its largest group of same-shaped matrices.
+    if grad_layer:
+        add("drafter gradients (fp32, all)", p_draft * 4 / split, OPTIMIZER_PHASE)
+    if config.optim.optimizer == "muon":
+        add(
+            "Muon step (largest same-shape batch)",
+            counts.drafter_matrix_group * MUON_BYTES,
+            OPTIMIZER_PHASE,
+        )
     if sharded:  # FSDP2 gathers a layer's fp32 weights whole (and the next one prefetched)
         gathered = 2 * counts.drafter_layer_max * 4
         add("FSDP2 gathered drafter layers (2)", gathered, DRAFTER_PHASE)

@@ -183,6 +183,7 @@ def test_the_target_forward_and_the_drafter_step_do_not_add_up() -> None:
         preflight.LABELS_PHASE,
         preflight.DRAFTER_PHASE,
         preflight.BACKWARD_PHASE,
+        preflight.OPTIMIZER_PHASE,
     ]
     assert est.peak == pytest.approx(est.held + max(est.phase_bytes(p) for p in phases))
     assert est.peak < est.held + sum(est.phase_bytes(p) for p in phases)
@@ -225,6 +226,16 @@ def test_each_role_holds_its_own_terms() -> None:
     assert ckpt.peak_phase == preflight.BACKWARD_PHASE
     assert ckpt.terms["drafter gradients (fp32) by then"] == counts.drafter * 4
     assert "drafter activations at the first layer's backward" in ckpt.terms
+    # Muon: half AdamW's state, but its step orthogonalises each shape's matrices as one
+    # batch: the 10 gate and up projections [17408, 5120] of 5 layers, 22 bytes an element.
+    config.drafter.activation_checkpointing = False
+    config.parallel.drafter_sharding = "ddp"
+    config.optim.optimizer = "muon"
+    muon = preflight.estimate(config, drafter, target, counts=counts)
+    assert muon.terms["optimizer state (muon)"] == counts.drafter * 4
+    assert counts.drafter_matrix_group == 10 * 17408 * 5120
+    assert muon.terms["Muon step (largest same-shape batch)"] == 22 * 10 * 17408 * 5120
+    assert muon.peak_phase == preflight.OPTIMIZER_PHASE
     with pytest.raises(ValueError, match="role"):
         preflight.estimate(config, drafter, target, role="both", counts=counts)
 
