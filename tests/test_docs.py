@@ -266,6 +266,8 @@ def _check_outputs(words: list[str], root: Path, out: str) -> None:
         assert manifest["status"] == "complete" and manifest["counts"]["samples"] > 0
     elif stage == "bench":
         assert json.loads(out.strip().splitlines()[-1])["bench"] == "run"
+    elif stage == "train" and "--plan" in words:  # a table of layouts; nothing trained
+        assert "--set" in out or "fits" in out, out[-500:]
     elif stage == "train":
         run = root / RUN if "--preset" not in words else root / "runs" / "from-preset"
         assert (run / "export" / "model.safetensors").exists()
