@@ -18,12 +18,18 @@ step() {  # step NAME SECONDS CMD...
   echo "$name rc=$? $((SECONDS - t0))s"
   grep -v '^\[transformers\]' "$OUT/$name.log" | grep -E '^\{' | tail -1 | cut -c1-1500
 }
-case ${1:-a} in
+mode=${1:-a}
+if [ "$mode" = auto ]; then  # by the card that came: H200 (141 GB) a, else c
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+  if [ "$mib" -gt 100000 ]; then mode=a; else mode=c; fi
+  echo "auto: $mib MiB -> $mode"
+fi
+case $mode in
   a)
-    step decode 270 python3 bench/hybrid_decode.py --compare-step
-    step rows27b 200 python3 bench/trainer.py --geometry 27b-hybrid --rows 8192,32768 \
-      --skip-overlap-off --warmup 2 --iters 4
-    step tests 100 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
+    step decode 220 python3 bench/hybrid_decode.py
+    step rows27b 170 python3 bench/trainer.py --geometry 27b-hybrid --rows 8192,32768 \
+      --skip-overlap-off --warmup 1 --iters 3
+    step tests 80 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
       tests/model/test_fp8.py tests/model/test_hybrid.py -k "varlen_attention or fused or graphed or fp8 or scaled"
     tail -3 "$OUT/tests.log"
     ;;
@@ -34,11 +40,11 @@ case ${1:-a} in
     step plan80 200 python3 bench/plan.py --geometry 27b-hybrid --gb 80
     ;;
   c)
-    step decode 200 python3 bench/hybrid_decode.py --slots 48 --prompts 96 --hf-rows 16
-    step bf16_8b 140 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 4
-    step fp8_8b 140 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 4 \
+    step decode 190 python3 bench/hybrid_decode.py --slots 48 --prompts 96 --hf-rows 16
+    step bf16_8b 120 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 4
+    step fp8_8b 120 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 4 \
       --precision fp8
-    step tests 80 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
+    step tests 70 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
       tests/model/test_fp8.py tests/model/test_hybrid.py -k "varlen_attention or fused or graphed or fp8"
     tail -3 "$OUT/tests.log"
     ;;
