@@ -4,6 +4,7 @@
 #   bash dev/gpu/s52_session.sh a    # hybrid decode bench, 27B hybrid at 8192 + 32768 rows, gpu tests
 #   bash dev/gpu/s52_session.sh b    # 8B-shaped step bf16 vs fp8, the plan on an 80 GB cap
 #   bash dev/gpu/s52_session.sh c    # one H100 call: hybrid decode (48 slots), 8B bf16 vs fp8, tests
+#   bash dev/gpu/s52_session.sh d    # the short call: gpu tests, FP8 GEMMs, hybrid decode (by card)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -38,6 +39,16 @@ case $mode in
     step fp8_8b 150 python3 bench/trainer.py --rows 8192 --skip-overlap-off --warmup 2 --iters 6 \
       --precision fp8
     step plan80 200 python3 bench/plan.py --geometry 27b-hybrid --gb 80
+    ;;
+  d)
+    step tests 80 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
+      tests/model/test_fp8.py -k "fused or graphed or fp8"
+    tail -2 "$OUT/tests.log"
+    step fp8gemm 40 python3 bench/fp8_gemm.py
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    slots=128; [ "$mib" -lt 100000 ] && slots=48
+    step decode 200 python3 bench/hybrid_decode.py --slots $slots --prompts $((2 * slots)) \
+      --tokens 96 --hf-tokens 8 --hf-rows 16
     ;;
   c)
     step decode 190 python3 bench/hybrid_decode.py --slots 48 --prompts 96 --hf-rows 16
