@@ -5,8 +5,9 @@
 
 For each linear layer shape of a decoder layer (q/k/v/o, gate/up/down; the 27B hybrid's
 Gated DeltaNet projections too), `--tokens` rows: the bf16 `F.linear` against
-`flashdraft.model.fp8.FP8Linear` (the per-token activation quantisation included, as the
-target forward runs it), each compiled as the target's forward is. Median times (CUDA events),
+`flashdraft.model.fp8.FP8Linear` (the per-token activation quantisation included), both
+eager: compiled, the target forward fuses the quantisation into the kernels before it, so the
+FP8 times here are an upper bound. Median times (CUDA events),
 their ratio, and the whole layer's (summed over its shapes) as the target forward's expected
 gain from FP8 before attention and the delta rule. A table, then one JSON line. Cheaper than
 `bench/trainer.py --precision fp8` (no model, no drafter), and a proxy for it only.
@@ -52,10 +53,9 @@ def main() -> int:
             linear = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
             fp8 = FP8Linear.from_linear(linear)
             x = x_all[:, :k].contiguous()
-            plain, quant = torch.compile(linear), torch.compile(fp8)
             with torch.no_grad():
-                t_bf16 = measure(lambda: plain(x), device, 3, args.iters).median_s * 1e3
-                t_fp8 = measure(lambda: quant(x), device, 3, args.iters).median_s * 1e3
+                t_bf16 = measure(lambda m=linear, x=x: m(x), device, 3, args.iters).median_s * 1e3
+                t_fp8 = measure(lambda m=fp8, x=x: m(x), device, 3, args.iters).median_s * 1e3
             flops = 2 * args.tokens * k * n
             rows.append({"layer": layer, "gemm": name, "K": k, "N": n,
                          "bf16 ms": round(t_bf16, 3), "fp8 ms": round(t_fp8, 3),
