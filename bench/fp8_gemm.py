@@ -16,6 +16,7 @@ gain from FP8 before attention and the delta rule. A table, then one JSON line. 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 from torch import nn
@@ -54,8 +55,10 @@ def main() -> int:
             fp8 = FP8Linear.from_linear(linear)
             x = x_all[:, :k].contiguous()
             with torch.no_grad():
-                t_bf16 = measure(lambda m=linear, x=x: m(x), device, 3, args.iters).median_s * 1e3
-                t_fp8 = measure(lambda m=fp8, x=x: m(x), device, 3, args.iters).median_s * 1e3
+                t_bf16, t_fp8 = (
+                    measure(functools.partial(m, x), device, 3, args.iters).median_s * 1e3
+                    for m in (linear, fp8)
+                )
             flops = 2 * args.tokens * k * n
             rows.append({"layer": layer, "gemm": name, "K": k, "N": n,
                          "bf16 ms": round(t_bf16, 3), "fp8 ms": round(t_fp8, 3),
