@@ -41,14 +41,14 @@ case $mode in
     step plan80 200 python3 bench/plan.py --geometry 27b-hybrid --gb 80
     ;;
   d)
+    step fp8gemm 45 python3 bench/fp8_gemm.py
     step tests 80 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
       tests/model/test_fp8.py -k "fused or graphed or fp8"
     tail -2 "$OUT/tests.log"
-    step fp8gemm 40 python3 bench/fp8_gemm.py
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
     slots=128; [ "$mib" -lt 100000 ] && slots=48
-    step decode 200 python3 bench/hybrid_decode.py --slots $slots --prompts $((2 * slots)) \
-      --tokens 96 --hf-tokens 8 --hf-rows 16
+    step decode 240 python3 bench/hybrid_decode.py --slots $slots --prompts $slots \
+      --tokens 64 --hf-tokens 8 --hf-rows 8 --hf-new 8
     ;;
   c)
     step decode 190 python3 bench/hybrid_decode.py --slots 48 --prompts 96 --hf-rows 16
