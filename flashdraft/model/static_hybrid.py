@@ -183,23 +183,40 @@ def gated_finish(layer: Any, x: Tensor, attended: Tensor, gate: Tensor) -> Tenso
     return x + mlp(layer.mlp, layer.post_attention_layernorm(x))
 
 
+# Above this many tokens an MoE block runs as HF's own module (its expert loop reads the
+# routing on the host): only eager prefills get there.
+MOE_GRAPH_TOKENS = 1024
+
+
 def mlp(block: Any, h: Tensor) -> Tensor:
-    """A dense MLP as itself; a sparse MoE block graph-safely: each token's top-k experts'
-    weights gathered (what a decode step must read anyway; no host sync, no data-dependent
-    shapes, so it compiles and captures). HF's expert loop reads the routing on the host."""
+    """A dense MLP as itself; a sparse MoE block without host syncs or data-dependent shapes,
+    so that it compiles and captures: with T tokens, k experts each, E experts, each token's k
+    experts' weights gathered when T k < E (a decode step reads those anyway), else every
+    expert on every token weighted by the routing (zero where not chosen: one read of each
+    expert's weights). Long prefills take HF's module."""
     if not hasattr(block, "experts"):
         out: Tensor = block(h)
         return out
     r, n, hidden = h.shape
+    tokens = r * n
+    if tokens > MOE_GRAPH_TOKENS:
+        out = block(h)
+        return out
     flat = h.reshape(-1, hidden)
     _, weights, experts = block.gate(flat)  # [T, k] routing weights and expert ids
     e = block.experts
-    gate_up = e.gate_up_proj[experts]  # [T, k, 2I, H]
-    act = torch.einsum("tkoh,th->tko", gate_up, flat)
-    g, u = act.chunk(2, dim=-1)
-    inner = e.act_fn(g) * u  # [T, k, I]
-    down = torch.einsum("tkhi,tki->tkh", e.down_proj[experts], inner)
-    routed = (down * weights[..., None].to(down.dtype)).sum(dim=1)
+    if tokens * experts.shape[1] < e.gate_up_proj.shape[0]:
+        act = torch.einsum("tkoh,th->tko", e.gate_up_proj[experts], flat)  # [T, k, 2I]
+        g, u = act.chunk(2, dim=-1)
+        down = torch.einsum("tkhi,tki->tkh", e.down_proj[experts], e.act_fn(g) * u)
+        routed = (down * weights[..., None].to(down.dtype)).sum(dim=1)
+    else:
+        dense = torch.zeros(tokens, e.gate_up_proj.shape[0], dtype=weights.dtype, device=h.device)
+        dense.scatter_(1, experts, weights)  # [T, E]: the routing weight, 0 where not chosen
+        act = torch.einsum("eoh,th->teo", e.gate_up_proj, flat)  # [T, E, 2I]
+        g, u = act.chunk(2, dim=-1)
+        down = torch.einsum("ehi,tei->teh", e.down_proj, e.act_fn(g) * u)
+        routed = (down * dense[..., None].to(down.dtype)).sum(dim=1)
     shared = getattr(block, "shared_expert", None)
     if shared is not None:
         gate = torch.sigmoid(block.shared_expert_gate(flat))

@@ -105,6 +105,18 @@ def test_static_forward_equals_hf_and_a_verify_rolls_back_exactly(hybrid) -> Non
         torch.testing.assert_close(logits[1, 0], ref[81], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_the_graph_safe_moe_equals_the_modules_own_forward(kind) -> None:
+    """Both graph-safe forms of a sparse MoE block (experts gathered per token: 1 token x 2 of
+    4 experts; every expert weighted: 6 tokens) give the module's own output."""
+    model = tiny_hybrid_model(kind, vocab_size=VOCAB)
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    for tokens in (1, 6):
+        h = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            torch.testing.assert_close(static_hybrid.mlp(block, h), block(h), rtol=1e-5, atol=1e-6)
+
+
 class RiggedDrafts(StaticDecoder):
     """The drafter's proposals replaced by the greedy continuation, right for a set number of
     leading slots per step (0 .. B-1, cycled): partial acceptance and rollback every step."""
