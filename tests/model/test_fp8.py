@@ -15,6 +15,7 @@ from helpers import drafter_config_for, tiny_hybrid, tiny_llama, train_settings
 from torch import nn
 
 from flashdraft.eval.evaluate import evaluate_drafter
+from flashdraft.eval.report import FP8_TIE_TOLERANCE
 from flashdraft.model import fp8
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.fp8 import FP8Linear, emulated_scaled_mm, quantize_rows
@@ -275,7 +276,8 @@ def test_a_cpu_run_loads_its_target_in_fp8_emulated(tmp_path, tiny_qwen3_dir, qw
 def test_speculative_decoding_on_an_fp8_target_stays_lossless() -> None:
     """Per-token activation scales: a verify forward of B tokens quantises each token as
     decoding it alone would, so T = 0 speculative decoding equals the FP8 target's greedy
-    decoding; the report says the target ran in FP8."""
+    decoding; the report says the target ran in FP8, and that its ties were judged at FP8's
+    own rounding noise (on a real model the two paths can round apart: report.py)."""
     target = tiny_llama(initializer_range=0.3)
     set_precision(target, "fp8")
     drafter = DFlashDrafter(drafter_config_for(target, block_size=4))
@@ -285,6 +287,7 @@ def test_speculative_decoding_on_an_fp8_target_stays_lossless() -> None:
     )
     assert report["lossless"] is True
     assert report["settings"]["target_precision"] == "fp8"
+    assert report["settings"]["tie_tolerance"] == FP8_TIE_TOLERANCE
 
 
 def _packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
