@@ -40,6 +40,11 @@ case $mode in
       --precision fp8
     step plan80 200 python3 bench/plan.py --geometry 27b-hybrid --gb 80
     ;;
+  e)  # the last minutes of the budget: the FP8 GEMMs, the hybrid graph and kernel tests
+    step fp8gemm 40 python3 bench/fp8_gemm.py
+    step tests 90 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py
+    tail -2 "$OUT/tests.log"
+    ;;
   d)
     step fp8gemm 45 python3 bench/fp8_gemm.py
     step tests 80 python3 -m pytest -q -m gpu tests/model/test_static_hybrid.py \
