@@ -222,17 +222,25 @@ class OpenAIClient:
         self._sleep = sleep if sleep is not None else self._stop.wait
 
     def close(self) -> None:
+        self._stop.set()  # workers still in a try see it, not a closed client's error
         self.http.close()
 
     # -- one request ---------------------------------------------------------------------
 
     def _try(self, body: dict[str, Any]) -> _Attempt:
+        abandoned = _Attempt(error="the run was abandoned", retry=False)
+        if self._stop.is_set():
+            return abandoned
         try:
             response = self.http.post(
                 f"{self.root}/v1/chat/completions", json={"model": self.model, **body}
             )
         except httpx.TransportError as err:  # connect, read, timeouts, protocol errors
             return _Attempt(error=f"{type(err).__name__}: {err}".rstrip(": "), retry=True)
+        except RuntimeError:  # "the client has been closed": an abandoned run's worker
+            if self.http.is_closed:
+                return abandoned
+            raise
         if response.status_code == 200:
             try:
                 return _Attempt(body=response.json())
