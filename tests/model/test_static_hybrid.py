@@ -5,6 +5,10 @@ decoding against HF's, and the speculative loop's rollback after rejected drafts
 from __future__ import annotations
 
 import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +210,19 @@ def test_the_fused_delta_step_kernel_equals_the_torch_step_on_cuda() -> None:
         static_hybrid.FUSED_STEP = True
     torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_hybrid_decode_bench_runs_in_smoke_sizes() -> None:
+    """`bench/hybrid_decode.py --smoke` (the 27B-shaped hybrid's decode bench, a tiny hybrid on
+    the CPU): every loop it times runs and reports, the speculative one with the rollback."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "bench/hybrid_decode.py", "--smoke"], cwd=root, capture_output=True,
+        text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    loops = {(row["loop"], row["B"]) for row in result["decode"]}
+    assert ("HF eager, DynamicCache", 1) in loops and ("static, eager", 4) in loops
+    spec = next(row for row in result["decode"] if row["B"] == 4)
+    assert spec["linear states"] == "static, exact rollback" and spec["step / decode step"] > 0
+    assert [row["backend"] for row in result["generate"]] == ["HF generate", "static slots"]
