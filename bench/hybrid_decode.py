@@ -21,16 +21,16 @@ import time
 from typing import Any
 
 import torch
-from trainer import GEOMETRIES, SHAPE, smoke_geometry, target_model  # beside this script
+from eval_speed import replay_ms  # beside this script
+from trainer import GEOMETRIES, SHAPE, smoke_geometry, target_model
 
-from flashdraft.benchutil import environment, measure, print_json, print_table, sync
+from flashdraft.benchutil import environment, print_json, print_table, sync
 from flashdraft.data.fast_inference import PhaseTimes, SlotDecoder, cache_length
 from flashdraft.eval.fast import StaticDecoder, cache_slots
 from flashdraft.eval.speculative import Decoder, decode
 from flashdraft.model import static_hybrid
 from flashdraft.model.config import DrafterConfig
 from flashdraft.model.drafter import init_seeded
-from flashdraft.model.graphs import capture
 from flashdraft.model.head import TargetHead
 from flashdraft.model.static import StaticLM
 
@@ -68,11 +68,6 @@ def parse() -> argparse.Namespace:
         args.prompt, args.tokens, args.hf_tokens, args.slots, args.prompts = 24, 12, 6, 4, 6
         args.prompt_len, args.new, args.hf_rows, args.hf_new, args.block = 16, 8, 2, 4, 4
     return args
-
-
-def replay_ms(fn: Any, device: torch.device, iters: int) -> float:
-    run = capture(fn).replay if device.type == "cuda" else fn
-    return measure(run, device, 2, iters).median_s * 1e3
 
 
 @torch.no_grad()

@@ -20,7 +20,14 @@ import sys
 
 import torch
 import trainer as bench_trainer
-from trainer import GEOMETRIES, SHAPE, add_geometry_arguments, make_trainer, smoke_geometry
+from trainer import (
+    GEOMETRIES,
+    SHAPE,
+    add_geometry_arguments,
+    make_trainer,
+    run_overrides,
+    smoke_geometry,
+)
 
 from flashdraft.benchutil import environment, print_json
 from flashdraft.log import get_logger
@@ -71,22 +78,7 @@ def parse() -> argparse.Namespace:
 
 def run_config(args: argparse.Namespace, extra: list[str]):
     return load_run_config(
-        None,
-        [
-            "output=unused",
-            "target.path=unused",
-            'data.datasets=["synthetic"]',
-            f"data.row_tokens={args.rows}",
-            f"drafter.num_layers={args.layers}",
-            f"drafter.mask_token_id={args.vocab - 1}",
-            f"loss.anchors={args.anchors}",
-            f"loss.chunk_rows={args.chunk_rows}",
-            f"optim.grad_accum={args.rows_per_forward}",
-            f"optim.rows_per_forward={args.rows_per_forward}",
-            f"target.precision={args.precision}",
-            *args.set,
-            *extra,
-        ],
+        None, ["output=unused", *run_overrides(args, args.rows), *args.set, *extra]
     )
 
 

@@ -132,9 +132,10 @@ def target_model(args: argparse.Namespace, device: torch.device):
     return model.eval().requires_grad_(False)
 
 
-def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer:
-    overrides = [
-        f"output={tempfile.mkdtemp(prefix='flashdraft-bench-')}",
+def run_overrides(args: argparse.Namespace, row_tokens: int) -> list[str]:
+    """The run config of these benchmarks (synthetic data, the drafter and loss from the
+    flags), as `--set` overrides; `bench/plan.py` plans the same run."""
+    return [
         "target.path=unused",
         'data.datasets=["synthetic"]',
         f"data.row_tokens={row_tokens}",
@@ -144,11 +145,18 @@ def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer
         f"loss.chunk_rows={args.chunk_rows}",
         f"optim.grad_accum={args.rows_per_forward}",
         f"optim.rows_per_forward={args.rows_per_forward}",
+        f"target.precision={args.precision}",
+    ]
+
+
+def make_trainer(args, device, model, row_tokens: int, overlap: bool) -> Trainer:
+    overrides = [
+        f"output={tempfile.mkdtemp(prefix='flashdraft-bench-')}",
+        *run_overrides(args, row_tokens),
         "log.tensorboard=false",
         "log.progress=false",
         f"parallel.overlap={str(overlap).lower()}",
         f"compile={str(not args.no_compile).lower()}",
-        f"target.precision={args.precision}",
         *args.set,
     ]
     config = load_run_config(None, overrides)

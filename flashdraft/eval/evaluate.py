@@ -34,14 +34,13 @@ from flashdraft.data.inference import resolve_dtype
 from flashdraft.eval.fast import StaticDecoder, cache_slots
 from flashdraft.eval.prompts import EvalPrompt, as_prompt, load_prompts
 from flashdraft.eval.report import (
-    FP8_TIE_TOLERANCE,
-    TIE_TOLERANCE,
     account_lossless,
     prompt_entry,
     speedup,
     summarize,
     timing,
 )
+from flashdraft.eval.report import tie_tolerance as default_tie_tolerance
 from flashdraft.eval.speculative import Decoder, DecodeResult, Sampler, decode, eos_token_ids
 from flashdraft.log import get_logger
 from flashdraft.model.drafter import DFlashDrafter
@@ -309,7 +308,7 @@ def evaluate_drafter(
     target (they must tap the drafter's layers); otherwise hooks are added per prompt and
     removed after it, so the B = 1 baseline runs hook-free. At T = 0 a prompt whose output
     differs from the baseline gets a `mismatch` diagnosis (`report.diagnose_mismatch`);
-    `tie_tolerance` defaults to `TIE_TOLERANCE` of the target's dtype. `decoder` picks the
+    `tie_tolerance` defaults to the target's dtype's and precision's (`report.tie_tolerance`). `decoder` picks the
     loop (`choose_decoder`; the static one reads its taps itself and ignores `taps`);
     `compile` compiles the static loop's target step on CUDA.
     """
@@ -332,9 +331,9 @@ def evaluate_drafter(
         for p, r, b in zip(items, spec, baselines, strict=True)
     ]
     target_dtype = next(target.parameters()).dtype
-    tolerance = tie_tolerance if tie_tolerance is not None else TIE_TOLERANCE.get(target_dtype, 0.0)
-    if tie_tolerance is None and precision_of(target) == "fp8":
-        tolerance = max(tolerance, FP8_TIE_TOLERANCE)  # FP8's own rounding noise (report.py)
+    tolerance = tie_tolerance
+    if tolerance is None:
+        tolerance = default_tie_tolerance(target_dtype, precision_of(target))
     checked = reference and temperature == 0.0
     if checked:
         report.update(account_lossless(target, items, report["per_prompt"], tolerance))

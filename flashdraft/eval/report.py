@@ -61,6 +61,12 @@ TIE_TOLERANCE = {torch.bfloat16: 0.5, torch.float16: 0.1, torch.float32: 1e-3}
 FP8_TIE_TOLERANCE = 3.0
 
 
+def tie_tolerance(dtype: torch.dtype, precision: str = "bf16") -> float:
+    """The tie tolerance of a target in `dtype` whose linear layers run in `precision`."""
+    base = TIE_TOLERANCE.get(dtype, 0.0)
+    return max(base, FP8_TIE_TOLERANCE) if precision == "fp8" else base
+
+
 # ---- statistics ----
 
 

@@ -314,48 +314,59 @@ def _finish_linear(m: Any, o: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
     return result
 
 
+def _mixer_inputs(layer: Any, x: Tensor, conv: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """A Gated DeltaNet layer's norm, projections and causal convolution over x [R, n, H]
+    after the kept inputs `conv` [R, C, K-1] -> (window [R, C, K-1+n]: those inputs and this
+    call's, z [R, n, nv, dv], the delta rule's inputs q, k, v, g, beta (`_rule_inputs`))."""
+    m = layer.linear_attn
+    mixed, z, b, a = gated_delta_net_project(m, layer.input_layernorm(x))
+    window = torch.cat([conv, mixed.transpose(1, 2).to(conv.dtype)], dim=-1)
+    weight = m.conv1d.weight  # [C, 1, K]
+    mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0]))
+    return window, z, _rule_inputs(m, mixed.transpose(1, 2).to(x.dtype), b, a)
+
+
+def _mixer_output(layer: Any, x: Tensor, o: Tensor, z: Tensor) -> Tensor:
+    """The delta rule's output o [R, nv, n, dv] -> the layer's output: gated norm, out_proj,
+    residual, MLP."""
+    x = x + _finish_linear(layer.linear_attn, o, z, x.dtype)
+    return x + mlp(layer.mlp, layer.post_attention_layernorm(x))
+
+
+def _conv_after(window: Tensor, last: Tensor, taps: int) -> Tensor:
+    """The K-1 convolution inputs ending at token last [R] of a call: window [R, C, K-1+n]
+    holds token t at K-1+t, so they are columns last+1 .. last+K-1."""
+    r, c, _ = window.shape
+    at = (last.view(r, 1, 1) + 1 + torch.arange(taps, device=last.device)).expand(r, c, taps)
+    return window.gather(2, at)
+
+
 def linear_step(
     layer: Any, x: Tensor, conv: Tensor, state: Tensor, pending: list[Tensor] | None = None
 ) -> Tensor:
-    """A Gated DeltaNet decoder layer over n tokens of every row from its kept `conv`
+    """A Gated DeltaNet decoder layer over the next tokens of every row from its kept `conv`
     [R, C, K-1] and `state` [R, nv, dk, dv] (graph-safe: static shapes, no host reads).
 
-    pending None: the states after the call's last token are written into `conv` / `state` in
-    place (decode steps). pending [window [R, C, K-1+n], k, u, G, M]: the call leaves its kept
-    states as they were and writes what `commit` needs into these buffers (a verify)."""
-    m = layer.linear_attn
-    h = layer.input_layernorm(x)
-    mixed, z, b, a = gated_delta_net_project(m, h)
-    taps = conv.shape[-1]
-    window = torch.cat([conv, mixed.transpose(1, 2).to(conv.dtype)], dim=-1)  # [R, C, K-1+n]
-    weight = m.conv1d.weight  # [C, 1, K]
-    mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0]))
-    q, k, v, g, beta = _rule_inputs(m, mixed.transpose(1, 2).to(x.dtype), b, a)
-    n = x.shape[1]
-    if pending is None and n == 1:
+    pending None (a decode step, one token): `conv` / `state` advance in place. pending
+    [window [R, C, K-1+n], k, u, G, M] (a verify of n tokens): the kept states stay as they
+    are and this call writes what `commit` needs into those buffers."""
+    window, z, (q, k, v, g, beta) = _mixer_inputs(layer, x, conv)
+    if pending is None:
+        assert x.shape[1] == 1, "more than one token per row is a verify: pass `pending`"
         o = recurrent_step(q, k, v, g, beta, state)
-        conv.copy_(window[..., 1 : 1 + taps])
-    elif pending is None:
-        o, u, big_g, ratio = delta_block(q, k, v, g, beta, state)
-        last = torch.full((x.shape[0],), n - 1, dtype=torch.long, device=x.device)
-        state.copy_(state_after(state, k, u, big_g, ratio, last))
-        conv.copy_(window[..., n : n + taps])
+        conv.copy_(window[..., 1:])
     else:
         o, u, big_g, ratio = delta_block(q, k, v, g, beta, state)
         for buffer, value in zip(pending, (window, k, u, big_g, ratio), strict=True):
             buffer.copy_(value)
-    x = x + _finish_linear(m, o, z, x.dtype)
-    return x + mlp(layer.mlp, layer.post_attention_layernorm(x))
+    return _mixer_output(layer, x, o, z)
 
 
 def commit(conv: Tensor, state: Tensor, pending: list[Tensor], j: Tensor) -> None:
     """Keep the states after token j [R] of the last verify (`linear_step` with `pending`)."""
     window, k, u, big_g, ratio = pending
     state.copy_(state_after(state, k, u, big_g, ratio, j))
-    taps = conv.shape[-1]
-    r, c, _ = conv.shape
-    at = (j.view(r, 1, 1) + 1 + torch.arange(taps, device=j.device)).expand(r, c, taps)
-    conv.copy_(window.gather(2, at))
+    conv.copy_(_conv_after(window, j, conv.shape[-1]))
 
 
 def linear_prefill(
@@ -365,15 +376,8 @@ def linear_prefill(
     tokens: the first lengths[r]) from `conv` [R, C, K-1] and `state` [R, nv, dk, dv] ->
     (x out, the conv and delta-rule states after each row's last real token). Eager: the
     delta rule runs `chunk` tokens at a time; pad tokens leave the state unchanged."""
-    m = layer.linear_attn
-    h = layer.input_layernorm(x)
-    mixed, z, b, a = gated_delta_net_project(m, h)
+    window, z, (q, k, v, g, beta) = _mixer_inputs(layer, x, conv)
     r, n, _ = x.shape
-    taps = conv.shape[-1]
-    window = torch.cat([conv, mixed.transpose(1, 2).to(conv.dtype)], dim=-1)
-    weight = m.conv1d.weight
-    mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0]))
-    q, k, v, g, beta = _rule_inputs(m, mixed.transpose(1, 2).to(x.dtype), b, a)
     real = (torch.arange(n, device=x.device)[None] < lengths[:, None])[:, None]  # [R, 1, n]
     g, beta = g * real, beta * real  # pads: decay 1, no update
     outs = []
@@ -384,10 +388,5 @@ def linear_prefill(
         last = torch.full((r,), e - s - 1, dtype=torch.long, device=x.device)
         state = state_after(state, k[..., s:e, :], u, big_g, ratio, last)
         outs.append(o)
-    o = torch.cat(outs, dim=2)
-    at = (lengths.view(r, 1, 1) + torch.arange(taps, device=x.device)).expand(
-        r, conv.shape[1], taps
-    )
-    conv = window.gather(2, at)
-    x = x + _finish_linear(m, o, z, x.dtype)
-    return x + mlp(layer.mlp, layer.post_attention_layernorm(x)), conv, state
+    conv = _conv_after(window, lengths - 1, conv.shape[-1])
+    return _mixer_output(layer, x, torch.cat(outs, dim=2), z), conv, state
