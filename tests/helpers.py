@@ -241,6 +241,18 @@ def tiny_target(kind: str) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def random_packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
+    """A packed row of 4 documents of random lengths (new boundaries every seed): ids,
+    per-document positions, doc ids, each [1, length]."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (1, length), generator=gen)
+    sizes = torch.randint(5, 15, (3,), generator=gen).tolist()
+    sizes.append(length - sum(sizes))
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])[None]
+    positions = torch.cat([torch.arange(n) for n in sizes])[None]
+    return ids, positions, docs
+
+
 def emulated_flash_varlen(query, key, value, cu_q, cu_k, max_q, max_k, used_k, scale):
     """What `flashdraft.model.varlen._flash_varlen` computes (FA2's varlen forward with
     `seqused_k`), one sequence at a time on any device: queries cu_q[s]..cu_q[s+1] attend,

@@ -11,7 +11,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import drafter_config_for, tiny_hybrid, tiny_llama, train_settings
+from helpers import drafter_config_for, random_packed_row, tiny_hybrid, tiny_llama, train_settings
 from torch import nn
 
 from flashdraft.eval.evaluate import evaluate_drafter
@@ -290,39 +290,6 @@ def test_speculative_decoding_on_an_fp8_target_stays_lossless() -> None:
     assert report["settings"]["tie_tolerance"] == FP8_TIE_TOLERANCE
 
 
-def _packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
-    """A packed row of 4 documents of random lengths (new boundaries every seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (1, length), generator=gen)
-    sizes = torch.randint(5, 15, (3,), generator=gen).tolist()
-    sizes.append(length - sum(sizes))
-    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])[None]
-    positions = torch.cat([torch.arange(n) for n in sizes])[None]
-    return ids, positions, docs
-
-
-def test_the_compiled_fp8_target_is_one_graph_with_the_eager_outputs() -> None:
-    """compile_target over FP8 linear layers: no graph break (one graph serves every layer),
-    rows with new document boundaries reuse it, and the outputs are the eager ones."""
-    target = Target(tiny_llama(), [1, 2], "sdpa")
-    set_precision(target.model, "fp8")
-    labels_at = torch.arange(40)[None]
-    eager = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
-    graphs: list[object] = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compile_target(target, backend=counting_backend, scope="layers")
-    compiled = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
-    assert len(graphs) == 1
-    for a, b in zip(eager, compiled, strict=True):
-        assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
-    target.taps.remove()
-
-
 # ---- CUDA (sm_89+): the tensor cores' product, the 8B-shaped stack, compiled forward ----
 
 
@@ -391,7 +358,7 @@ def test_the_compiled_fp8_target_on_cuda(tiny_qwen3_dir, scope) -> None:
     target = Target(model, [1, 3], "flex")
     target.verify_taps()
     labels_at = torch.arange(200, device="cuda")[None]
-    rows = [tuple(t.cuda() for t in _packed_row(s, 256)) for s in range(3)]
+    rows = [tuple(t.cuda() for t in random_packed_row(s, 256)) for s in range(3)]
     eager = [target.packed_outputs(*row, labels_at) for row in rows]
     torch._dynamo.reset()
     counters.clear()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, train_settings
+from helpers import random_packed_row, read_metrics, train_settings
 
 from flashdraft import cli
 
@@ -399,34 +399,27 @@ def test_gradient_sync_defers_the_reduction_for_ddp_and_fsdp2(monkeypatch) -> No
 # ---- the compiled target forward (small targets are launch-bound eagerly) ----
 
 
-def _packed_row(seed: int, length: int = 48) -> tuple[torch.Tensor, ...]:
-    """A packed row of 4 documents of random lengths (new boundaries every seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (1, length), generator=gen)
-    sizes = torch.randint(5, 15, (3,), generator=gen).tolist()
-    sizes.append(length - sum(sizes))
-    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])[None]
-    positions = torch.cat([torch.arange(n) for n in sizes])[None]
-    return ids, positions, docs
-
-
-@pytest.mark.parametrize("scope", ["layers", pytest.param("stack", marks=pytest.mark.slow)])
-def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
+@pytest.mark.parametrize(
+    ("scope", "precision"),
+    [("layers", "bf16"), ("layers", "fp8"), pytest.param("stack", "bf16", marks=pytest.mark.slow)],
+)
+def test_the_compiled_target_is_one_graph_for_every_row(scope, precision) -> None:
     """compile_target: "stack" traces the taps' hooks into one graph of the whole stack,
     "layers" compiles each decoder layer's forward with the hooks outside it, one graph for
     all layers (a graph per layer would make the cold compile grow with depth). Either way:
     the eager taps and labels, no graph break, and rows with new document boundaries reuse
     the graph (for "stack", dynamo guards on the hooks' dict being empty, which
     `features()` ensures: a stale capture recompiles), and the HF model outside the packed
-    forward stays eager."""
+    forward stays eager. The same over FP8 linear layers (`target.precision = "fp8"`)."""
     from helpers import tiny_llama
 
-    from flashdraft.model.target import Target
+    from flashdraft.model.target import Target, set_precision
     from flashdraft.train.parallel import compile_target, target_compile_refusal
 
     target = Target(tiny_llama(), [1, 2], "sdpa")
+    set_precision(target.model, precision)
     labels_at = torch.arange(40)[None]
-    eager = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
+    eager = [target.packed_outputs(*random_packed_row(s), labels_at) for s in range(3)]
     graphs: list[object] = []
 
     def counting_backend(gm, example_inputs):
@@ -436,7 +429,7 @@ def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
     assert target_compile_refusal(target) is None
     torch._dynamo.reset()
     compile_target(target, backend=counting_backend, scope=scope)
-    compiled = [target.packed_outputs(*_packed_row(s), labels_at) for s in range(3)]
+    compiled = [target.packed_outputs(*random_packed_row(s), labels_at) for s in range(3)]
     assert len(graphs) == 1
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a.features, b.features) and torch.equal(a.next_tokens, b.next_tokens)
@@ -447,7 +440,7 @@ def test_the_compiled_target_is_one_graph_for_every_row(scope) -> None:
     assert len(graphs) == 1
     if scope == "stack":
         target.taps.captured[1] = torch.zeros(1)  # a stale capture: the guard fails
-        target.packed_outputs(*_packed_row(3), labels_at)
+        target.packed_outputs(*random_packed_row(3), labels_at)
         assert len(graphs) == 2
     with pytest.raises(ValueError, match="layers or stack"):
         compile_target(target, scope="model")
@@ -479,7 +472,7 @@ def test_the_compiled_flex_target_matches_the_eager_one_on_cuda(tiny_qwen3_dir, 
     model = load_target(str(tiny_qwen3_dir), "bfloat16", "flex_attention", "cuda")
     target = Target(model, [1, 3], "flex")
     labels_at = torch.arange(200, device="cuda")[None]
-    rows = [tuple(t.cuda() for t in _packed_row(s, 256)) for s in range(3)]
+    rows = [tuple(t.cuda() for t in random_packed_row(s, 256)) for s in range(3)]
     eager = [target.packed_outputs(*row, labels_at) for row in rows]
     torch._dynamo.reset()
     compile_target(target, scope=scope)
