@@ -96,33 +96,26 @@ def test_the_reference_rule_is_torch_s_even_where_transformers_bound_fla(monkeyp
     assert out.shape == (1, 10, 4, 8) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("path", ["per-document", "reference kernels"])
-def test_packed_rows_equal_documents_alone_for_every_layer_type(model, path) -> None:
+@pytest.mark.parametrize(
+    ("path", "attention"),
+    [("per-document", "sdpa"), ("reference kernels", "sdpa"), ("per-document", "varlen")],
+)
+def test_packed_rows_equal_documents_alone_for_every_layer_type(model, path, attention) -> None:
+    """Every layer's output and the labels, per document; the full-attention layers with the
+    document mask (sdpa) or through the varlen path (the documents' boundaries, no mask; on
+    the CPU each document through SDPA alone) beside the linear layers' own packing."""
     kernels = hybrid.REFERENCE_KERNELS if path == "reference kernels" else "per-document"
+    if attention == "varlen":
+        varlen.register()
+        model.set_attn_implementation(varlen.NAME)
     target = every_tap(model, linear_kernels=kernels)
     try:
+        assert target.varlen is (attention == "varlen")
         assert_packed_equals_alone(target, rtol=1e-5)
     finally:
         target.taps.remove()
         assert target.linear is not None
         target.linear.remove()
-
-
-def test_packed_rows_equal_documents_alone_with_varlen_attention(model) -> None:
-    """The full-attention layers through the varlen path (the documents' boundaries, no mask;
-    on the CPU each document through SDPA alone) beside the linear layers' own packing."""
-    varlen.register()
-    model.set_attn_implementation(varlen.NAME)
-    try:
-        target = every_tap(model, linear_kernels="per-document")
-        assert target.varlen
-        try:
-            assert_packed_equals_alone(target, rtol=1e-5)
-        finally:
-            target.taps.remove()
-            assert target.linear is not None
-            target.linear.remove()
-    finally:
         model.set_attn_implementation("sdpa")
 
 
